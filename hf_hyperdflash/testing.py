@@ -7,6 +7,9 @@ with compression rates small enough that several windows close within a short pr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
@@ -37,7 +40,7 @@ def tiny_deepseek_v4_config(**overrides) -> DeepseekV4Config:
             "compressed_sparse_attention",
         ],
         mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-        index_n_heads=2,
+        index_n_heads=16,  # with few heads, ReLU zeroes whole index scores and top-k must break exact ties
         index_head_dim=16,
         index_topk=4,
         max_position_embeddings=4096,
@@ -56,7 +59,9 @@ def randomize_hash_table(model: DeepseekV4ForCausalLM, seed: int = 0) -> None:
         router = layer.mlp.gate
         if hasattr(router, "tid2eid"):
             vocab, top_k = router.tid2eid.shape
-            table = torch.stack([torch.randperm(router.num_experts, generator=generator)[:top_k] for _ in range(vocab)])
+            table = torch.stack(
+                [torch.randperm(router.num_experts, generator=generator)[:top_k] for _ in range(vocab)]
+            )
             router.tid2eid.copy_(table)
 
 
@@ -66,3 +71,46 @@ def tiny_deepseek_v4(seed: int = 0, **overrides) -> DeepseekV4ForCausalLM:
     model = DeepseekV4ForCausalLM(tiny_deepseek_v4_config(**overrides)).float().eval()
     randomize_hash_table(model, seed)
     return model
+
+
+class OracleProposer:
+    """A stand-in drafter that is right part of the time, to exercise full, partial and zero acceptance.
+
+    It proposes the tokens of `reference` (e.g. the target's own greedy continuation) at the positions
+    being drafted, each replaced by a random token with probability `corruption`. Its distribution q puts
+    0.7 on that hint and spreads 0.3 uniformly, and tokens go through the generation's TokenPicker, so
+    sampled drafts really come from q, as speculative sampling requires.
+    """
+
+    def __init__(self, vocab_size: int, reference: torch.LongTensor | None, corruption: float, seed: int = 0):
+        self.vocab_size, self.reference, self.corruption = vocab_size, reference, corruption
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _hint(self, position: int) -> int:
+        random_token = int(torch.randint(self.vocab_size, (1,), generator=self.generator))
+        if self.reference is None or position >= self.reference.shape[-1]:
+            return random_token
+        corrupt = float(torch.rand(1, generator=self.generator)) < self.corruption
+        return random_token if corrupt else int(self.reference[0, position])
+
+    def propose(self, features, positions, input_ids, num_tokens, pick):
+        from .generation import _pick_sequentially
+
+        start = input_ids.shape[1]
+        hints = torch.tensor([self._hint(start + k) for k in range(num_tokens)])
+        probs = torch.full((1, num_tokens, self.vocab_size), 0.3 / self.vocab_size)
+        probs[0, torch.arange(num_tokens), hints] += 0.7
+        return _pick_sequentially(input_ids, probs.log().to(input_ids.device), pick)
+
+
+@contextmanager
+def oracle_drafting(oracle: OracleProposer) -> Iterator[OracleProposer]:
+    """Route every block drafter's proposals through `oracle` for the duration of the block."""
+    from .generation import BlockProposer
+
+    original = BlockProposer.propose
+    BlockProposer.propose = lambda self, *args: oracle.propose(*args)
+    try:
+        yield oracle
+    finally:
+        BlockProposer.propose = original

@@ -1,0 +1,183 @@
+"""Build the reference model set from scratch: tokenizer, DeepSeek-V4 target, native MTP.
+
+    python -m hf_hyperdflash.reference.build --work-dir runs/reference
+
+Every stage is seeded and skips itself when its output exists; training stages checkpoint and resume,
+so re-running the same command after an interruption continues where it stopped. The result is
+exported as bf16 safetensors into `hf_hyperdflash/reference/assets/` (or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
+
+from ..chat_format import synthetic_reasoning, train_chat_tokenizer
+from ..modeling.modeling_deepseek_v4_mtp import DeepseekV4MTPForDrafting
+from ..sharegpt import Conversation, load_conversations
+from ..targets.deepseek_v4 import DeepseekV4Target
+from ..testing import randomize_hash_table
+from ..training.curves import plot_curves
+from ..training.loop import LoopConfig, run_training
+from .config import SEQUENCE_LENGTH, reference_target_config
+
+ASSETS = Path(__file__).parent / "assets"
+THINKING_PERCENT = 25  # share of training conversations rendered in thinking mode
+TARGET_LOOP = LoopConfig(total_steps=2000, batch_size=4, learning_rate=2e-3, warmup_steps=100, checkpoint_every=100)
+MTP_LOOP = LoopConfig(total_steps=800, batch_size=4, learning_rate=2e-3, warmup_steps=50, checkpoint_every=100, seed=1)
+
+
+def _uses_thinking(conversation: Conversation) -> bool:
+    return int(hashlib.sha256(conversation.id.encode()).hexdigest()[:8], 16) % 100 < THINKING_PERCENT
+
+
+def render_for_training(conversation: Conversation, tokenizer: PreTrainedTokenizerFast) -> str:
+    """The conversation in the chat format; some get a synthetic thinking section on each assistant turn."""
+    messages, last_prompt = [], ""
+    for message in conversation.messages:
+        message = dict(message)
+        if message["role"] == "user":
+            last_prompt = message["content"]
+        elif message["role"] == "assistant" and _uses_thinking(conversation):
+            message["reasoning"] = synthetic_reasoning(last_prompt, message["content"])
+        messages.append(message)
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 8192) -> PreTrainedTokenizerFast:
+    if (out_dir / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(out_dir)
+    texts = [m["content"] for c in load_conversations("train") for m in c.messages]
+    tokenizer = train_chat_tokenizer(texts, vocab_size)
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def packed_chunks(tokenizer: PreTrainedTokenizerFast, cache_path: Path, length: int = SEQUENCE_LENGTH) -> torch.Tensor:
+    """All train conversations rendered, tokenized, concatenated and cut into `length`-token rows."""
+    if cache_path.exists():
+        return torch.load(cache_path)
+    conversations = load_conversations("train")
+    texts = [render_for_training(c, tokenizer) for c in tqdm(conversations, desc="rendering")]
+    ids: list[int] = []
+    for start in tqdm(range(0, len(texts), 512), desc="tokenizing"):
+        for row in tokenizer(texts[start : start + 512], add_special_tokens=False).input_ids:
+            ids.extend(row)
+    usable = len(ids) // length * length
+    chunks = torch.tensor(ids[:usable], dtype=torch.int32).view(-1, length)
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(chunks, cache_path)
+    return chunks
+
+
+def _collate_tokens(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    input_ids = torch.stack([r["input_ids"] for r in rows]).long()
+    return {"input_ids": input_ids, "num_tokens": torch.tensor(input_ids.numel())}
+
+
+def _target_losses(model: DeepseekV4ForCausalLM, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = model(input_ids=batch["input_ids"], labels=batch["input_ids"], output_router_logits=True)
+    return {"loss": out.loss, "lm_loss": out.loss - model.router_aux_loss_coef * out.aux_loss}
+
+
+def train_target(tokenizer: PreTrainedTokenizerFast, work_dir: Path, loop: LoopConfig = TARGET_LOOP) -> Path:
+    final = work_dir / "target"
+    if (final / "config.json").exists():
+        return final
+    chunks = packed_chunks(tokenizer, work_dir / "target_chunks.pt")
+    examples = [{"input_ids": row} for row in chunks]
+    config = reference_target_config(
+        len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    torch.manual_seed(loop.seed)
+    model = DeepseekV4ForCausalLM(config).float()
+    randomize_hash_table(model, seed=loop.seed)
+    run_dir = work_dir / "target_run"
+    model = run_training(model, examples, _collate_tokens, _target_losses, run_dir, loop, description="target")
+    plot_curves({"target": run_dir / "log.jsonl"}, run_dir / "loss.png", title="reference target")
+    model.save_pretrained(final)
+    return final
+
+
+class MTPWithFrozenTarget(torch.nn.Module):
+    """Trains the MTP module on the frozen target: only `mtp` holds trainable parameters."""
+
+    def __init__(self, target: DeepseekV4ForCausalLM, mtp: DeepseekV4MTPForDrafting):
+        super().__init__()
+        self.mtp = mtp
+        self.target = [target]  # a list keeps the frozen target out of the optimiser and the checkpoint
+
+    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Mean cross-entropy of predicting token i+2 from (target residual at i, token i+1)."""
+        target = self.target[0]
+        adapter = DeepseekV4Target(target)
+        with torch.no_grad(), adapter.capture() as capture:
+            target.model(input_ids=input_ids)
+            residual = capture.features()
+            token_embeds = adapter.embed_tokens(input_ids[:, 1:-1])
+        positions = torch.arange(1, input_ids.shape[1] - 1, device=input_ids.device)[None]
+        hidden = self.mtp(token_embeds, residual[:, :-2], positions).last_hidden_state
+        logits = adapter.lm_head(hidden).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), input_ids[:, 2:].flatten())
+
+
+def _mtp_losses(model: MTPWithFrozenTarget, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"loss": model(batch["input_ids"])}
+
+
+def train_mtp(tokenizer: PreTrainedTokenizerFast, work_dir: Path, loop: LoopConfig = MTP_LOOP) -> Path:
+    final = work_dir / "mtp"
+    if (final / "config.json").exists():
+        return final
+    target = DeepseekV4ForCausalLM.from_pretrained(work_dir / "target", dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    chunks = packed_chunks(tokenizer, work_dir / "target_chunks.pt")
+    examples = [{"input_ids": row} for row in chunks]
+    torch.manual_seed(loop.seed)
+    wrapper = MTPWithFrozenTarget(target, DeepseekV4MTPForDrafting.from_target(target))
+    run_dir = work_dir / "mtp_run"
+    wrapper = run_training(wrapper, examples, _collate_tokens, _mtp_losses, run_dir, loop, description="mtp")
+    plot_curves({"mtp": run_dir / "log.jsonl"}, run_dir / "loss.png", title="native MTP (frozen target)")
+    wrapper.mtp.save_pretrained(final)
+    return final
+
+
+def export_bf16(source: Path, destination: Path) -> None:
+    """Re-save a trained model as bf16 safetensors (the shipped form)."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(source, dtype=torch.float32, trust_remote_code=True)
+    model = model.to(torch.bfloat16)
+    if destination.exists():
+        shutil.rmtree(destination)
+    model.save_pretrained(destination, safe_serialization=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/reference"), help="checkpoints, logs, caches")
+    parser.add_argument("--out", type=Path, default=ASSETS, help="where the bf16 model set is exported")
+    parser.add_argument(
+        "--stages", default="tokenizer,target,mtp", help="comma-separated subset of: tokenizer,target,mtp"
+    )
+    args = parser.parse_args(argv)
+    stages = set(args.stages.split(","))
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tokenizer = build_tokenizer(args.work_dir / "tokenizer")
+    if "tokenizer" in stages:
+        tokenizer.save_pretrained(args.out / "tokenizer")
+    if "target" in stages:
+        target_dir = train_target(tokenizer, args.work_dir)
+        export_bf16(target_dir, args.out / "target")
+    if "mtp" in stages:
+        export_bf16(train_mtp(tokenizer, args.work_dir), args.out / "mtp")
+
+
+if __name__ == "__main__":
+    main()

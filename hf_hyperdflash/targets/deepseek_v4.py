@@ -1,0 +1,108 @@
+"""Adapter for stock transformers DeepSeek-V4 targets: where the mHC residual lives and how to rewind its cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..cache import RewindableDeepseekV4Cache
+
+
+class FeatureCapture:
+    """The latest target features seen by forward hooks: pre-collapse residual or chosen layer outputs.
+
+    Hooks keep references (no copies); V4 computes out of place, so a captured tensor stays valid
+    until the next forward replaces it.
+    """
+
+    def __init__(self, layer_ids: Sequence[int] | None):
+        self.layer_ids = list(layer_ids) if layer_ids is not None else None
+        self._latest: dict[int | str, torch.Tensor] = {}
+
+    def record(self, key: int | str, tensor: torch.Tensor) -> None:
+        self._latest[key] = tensor
+
+    def features(self) -> torch.Tensor:
+        """[B, S, streams, D]: the pre-collapse residual, or the chosen layers stacked on the stream axis."""
+        if self.layer_ids is None:
+            if "pre_collapse" not in self._latest:
+                raise RuntimeError("No target forward has run since the capture started.")
+            return self._latest["pre_collapse"]
+        missing = [i for i in self.layer_ids if i not in self._latest]
+        if missing:
+            raise RuntimeError(f"No output captured yet for target layers {missing}.")
+        return torch.cat([self._latest[i] for i in self.layer_ids], dim=2)
+
+
+class DeepseekV4Target:
+    """What HyperDFlash needs from a `DeepseekV4ForCausalLM`, without forking its modeling file."""
+
+    family = "deepseek_v4"
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.config = model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def hc_mult(self) -> int:
+        return self.config.hc_mult
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def collapse_head(self) -> nn.Module:
+        """`model.hc_head` (DeepseekV4HyperHead): the module whose input is the final pre-collapse residual."""
+        return self.model.model.hc_head
+
+    @property
+    def feature_device(self) -> torch.device:
+        """Where the last decoder layer (and so the captured residual) lives; the drafter runs there."""
+        return self.collapse_head.hc_fn.device
+
+    def make_cache(self, max_draft: int) -> RewindableDeepseekV4Cache:
+        return RewindableDeepseekV4Cache(config=self.config, max_draft=max_draft)
+
+    @contextmanager
+    def capture(self, layer_ids: Sequence[int] | None = None) -> Iterator[FeatureCapture]:
+        """Record the pre-collapse residual (layer_ids None) or the outputs of `layer_ids`, for every forward."""
+        capture = FeatureCapture(layer_ids)
+        if layer_ids is None:
+            handles = [
+                self.collapse_head.register_forward_pre_hook(lambda _, args: capture.record("pre_collapse", args[0]))
+            ]
+        else:
+            bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"target_layer_ids {bad} are outside the target's {self.num_layers} layers.")
+            layers = self.model.model.layers
+            handles = [
+                layers[i].register_forward_hook(lambda _, __, output, i=i: capture.record(i, output))
+                for i in layer_ids
+            ]
+        try:
+            yield capture
+        finally:
+            for handle in handles:
+                handle.remove()

@@ -1,0 +1,162 @@
+"""`target.generate(..., assistant_model=drafter)` on the stock DeepSeek-V4: lossless, and like plain generate."""
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
+from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
+
+# Prompt lengths below, inside and well beyond the sliding window (8) and many compression windows (4 and 8).
+PROMPT_LENGTHS = (3, 11, 37)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_deepseek_v4(seed=0)
+
+
+def _drafters(target):
+    torch.manual_seed(1)
+    return {
+        "hyperdflash": HyperDFlashForDrafting.from_target(target, block_size=8).eval(),
+        "vanilla_dflash": HyperDFlashForDrafting.from_target(
+            target, block_size=8, reducer="dense", conditioning="intermediate"
+        ).eval(),
+        "mtp": DeepseekV4MTPForDrafting.from_target(target).eval(),
+    }
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    return _drafters(target)
+
+
+def _prompt(length: int, seed: int = 0) -> torch.LongTensor:
+    return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ["hyperdflash", "vanilla_dflash", "mtp"])
+def test_greedy_is_token_identical_to_plain_generate(target, drafters, kind):
+    drafter = drafters[kind]
+    for length in PROMPT_LENGTHS:
+        prompt = _prompt(length, seed=length)
+        plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+        speculative = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+        assert torch.equal(plain, speculative), f"{kind} diverged for a prompt of {length} tokens"
+        stats = drafter.last_generation_stats
+        assert stats["new_tokens"] == plain.shape[1] - length
+        assert stats["mean_accepted_length"] >= 1.0
+
+
+def test_partial_acceptance_stays_lossless_and_is_counted(target, drafters):
+    """A drafter right part of the time: full, partial and zero acceptance all happen, output unchanged."""
+    drafter = drafters["hyperdflash"]
+    seen = {"full": 0, "partial": 0, "zero": 0}
+    for length in PROMPT_LENGTHS:
+        prompt = _prompt(length, seed=100 + length)
+        plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
+        with oracle_drafting(OracleProposer(512, plain, corruption=0.08, seed=length)):
+            speculative = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+        assert torch.equal(plain, speculative)
+        stats = drafter.last_generation_stats
+        accepted, proposed = stats["accepted_per_step"], stats["proposed_per_step"]
+        for a, p in zip(accepted, proposed, strict=True):
+            seen["full" if a == p else "zero" if a == 0 else "partial"] += 1
+        assert stats["target_forwards"] < stats["new_tokens"], "an oracle drafter must save target forwards"
+        assert stats["mean_accepted_length"] == pytest.approx(sum(accepted) / len(accepted) + 1)
+    assert all(seen.values()), seen
+
+
+def test_eos_inside_a_block_stops_like_plain_generate(target, drafters):
+    prompt = _prompt(9, seed=3)
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    eos = int(plain[0, prompt.shape[1] + 5])  # a token the target emits mid-stream
+    plain_eos = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    with oracle_drafting(OracleProposer(512, plain, corruption=0.0)):
+        spec_eos = target.generate(
+            prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos, assistant_model=drafters["hyperdflash"]
+        )
+    assert torch.equal(plain_eos, spec_eos)
+    assert int(spec_eos[0, -1]) == eos
+
+
+def test_max_new_tokens_ending_inside_a_block(target, drafters):
+    prompt = _prompt(6, seed=4)
+    for max_new_tokens in (1, 2, 5, 10):
+        plain = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)
+        with oracle_drafting(OracleProposer(512, plain, corruption=0.0)):
+            spec = target.generate(
+                prompt, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafters["hyperdflash"]
+            )
+        assert torch.equal(plain, spec)
+
+
+def test_logits_processors_apply_to_greedy_verification(target, drafters):
+    prompt = _prompt(12, seed=5)
+    settings = dict(max_new_tokens=24, do_sample=False, repetition_penalty=1.4, no_repeat_ngram_size=2)
+    plain = target.generate(prompt, **settings)
+    with oracle_drafting(OracleProposer(512, plain, corruption=0.2, seed=5)):
+        spec = target.generate(prompt, assistant_model=drafters["hyperdflash"], **settings)
+    assert torch.equal(plain, spec)
+    assert not torch.equal(plain, target.generate(prompt, max_new_tokens=24, do_sample=False))
+
+
+def test_scores_and_return_dict_match_plain_generate(target, drafters):
+    prompt = _prompt(10, seed=6)
+    settings = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    plain = target.generate(prompt, **settings)
+    with oracle_drafting(OracleProposer(512, plain.sequences, corruption=0.3, seed=6)):
+        spec = target.generate(prompt, assistant_model=drafters["hyperdflash"], **settings)
+    assert torch.equal(plain.sequences, spec.sequences)
+    assert len(spec.scores) == len(plain.scores) == 12
+    for a, b in zip(plain.scores, spec.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.chunks.append("end")
+
+
+def test_streamer_receives_prompt_then_every_token_once(target, drafters):
+    prompt = _prompt(8, seed=7)
+    plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    streamer = _Collect()
+    with oracle_drafting(OracleProposer(512, plain, corruption=0.2, seed=7)):
+        target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafters["mtp"], streamer=streamer)
+    assert streamer.chunks[-1] == "end"
+    streamed = [token for chunk in streamer.chunks[1:-1] for token in chunk]
+    assert streamer.chunks[0] == prompt[0].tolist()
+    assert streamed == plain[0, prompt.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("num_draft_tokens", [1, 3, 6])
+def test_mtp_depths_are_lossless(target, drafters, num_draft_tokens):
+    drafter = drafters["mtp"]
+    drafter.generation_config.num_assistant_tokens = num_draft_tokens
+    try:
+        prompt = _prompt(20, seed=num_draft_tokens)
+        plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
+        spec = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    finally:
+        drafter.generation_config.num_assistant_tokens = 3
+    assert torch.equal(plain, spec)
+    assert len(drafter.last_generation_stats["acceptance_per_position"]) == num_draft_tokens
+
+
+def test_stateful_guard_is_lifted_only_during_the_call(target, drafters):
+    prompt = _prompt(5)
+    target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=drafters["hyperdflash"])
+    assert "_is_stateful" not in vars(target) and type(target)._is_stateful is True
+    assert "_get_candidate_generator" not in vars(target)
+    stock_assistant = tiny_deepseek_v4(seed=3)
+    with pytest.raises(ValueError, match="stateful"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=stock_assistant)
