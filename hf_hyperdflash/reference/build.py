@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, DeepseekV4ForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from ..chat_format import synthetic_reasoning, train_chat_tokenizer
 from ..modeling.modeling_deepseek_v4_mtp import DeepseekV4MTPForDrafting
@@ -148,12 +148,9 @@ def train_mtp(tokenizer: PreTrainedTokenizerFast, work_dir: Path, loop: LoopConf
     return final
 
 
-def export_bf16(source: Path, destination: Path) -> None:
+def export_bf16(model_class: type[PreTrainedModel], source: Path, destination: Path) -> None:
     """Re-save a trained model as bf16 safetensors (the shipped form)."""
-    from transformers import AutoModel
-
-    model = AutoModel.from_pretrained(source, dtype=torch.float32, trust_remote_code=True)
-    model = model.to(torch.bfloat16)
+    model = model_class.from_pretrained(source, dtype=torch.float32).to(torch.bfloat16)
     if destination.exists():
         shutil.rmtree(destination)
     model.save_pretrained(destination, safe_serialization=True)
@@ -174,9 +171,9 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.save_pretrained(args.out / "tokenizer")
     if "target" in stages:
         target_dir = train_target(tokenizer, args.work_dir)
-        export_bf16(target_dir, args.out / "target")
+        export_bf16(DeepseekV4ForCausalLM, target_dir, args.out / "target")
     if "mtp" in stages:
-        export_bf16(train_mtp(tokenizer, args.work_dir), args.out / "mtp")
+        export_bf16(DeepseekV4MTPForDrafting, train_mtp(tokenizer, args.work_dir), args.out / "mtp")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""`hyperdflash` command line: demo (the quick start), build-reference (retrain the shipped models)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .demo import DEFAULT_PROMPT
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import load_reference_pair, run_demo  # heavy imports only when the command runs
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer, target, drafter, name = load_reference_pair(args.drafter)
+    result = run_demo(tokenizer, target, drafter, args.prompt, args.max_new_tokens, args.repeats, args.thinking)
+    print(f"prompt: {args.prompt}\n")
+    print(f"--- plain decoding ({result.new_tokens} tokens, {result.plain_seconds:.2f} s) ---\n{result.plain_text}\n")
+    print(f"--- speculative decoding with the {name} drafter ({result.speculative_seconds:.2f} s) ---")
+    print(f"{result.speculative_text}\n")
+    print(f"identical outputs: {result.identical}")
+    print(f"tau (mean accepted length per verify step, incl. bonus token): {result.tau:.2f}")
+    print(f"speedup over plain decoding (median of {args.repeats}): {result.speedup:.2f}x")
+    return 0 if result.identical else 1
+
+
+def _build_reference(args: argparse.Namespace) -> int:
+    from .reference import build
+
+    build.main(args.build_args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hyperdflash", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="speculative vs plain decoding on the shipped reference pair")
+    demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="user message (default: %(default)r)")
+    demo.add_argument(
+        "--drafter",
+        default="auto",
+        choices=["auto", "hyperdflash", "vanilla_dflash", "mtp"],
+        help="which shipped drafter to use (auto: HyperDFlash if shipped, else native MTP)",
+    )
+    demo.add_argument("--max-new-tokens", type=int, default=128, help="reply length in tokens")
+    demo.add_argument("--repeats", type=int, default=3, help="timed runs of each method; the median is reported")
+    demo.add_argument("--thinking", action="store_true", help="thinking chat mode (open <think> section)")
+    demo.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    demo.set_defaults(run=_demo)
+
+    rebuild = commands.add_parser(
+        "build-reference", help="retrain the shipped tokenizer, target and native MTP", add_help=False
+    )
+    rebuild.add_argument("build_args", nargs=argparse.REMAINDER, help="arguments of hf_hyperdflash.reference.build")
+    rebuild.set_defaults(run=_build_reference)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The quick-start job: one reply from the shipped reference pair, with and without the drafter.
+
+Prints both texts (they must be identical), tau and the measured speedup (median over repeats,
+plain and speculative runs interleaved so machine noise hits both alike).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from . import reference
+
+DEFAULT_PROMPT = "Write a short guide on how to make a good cup of coffee at home."
+
+
+def load_reference_pair(drafter: str = "auto") -> tuple:
+    """(tokenizer, target, drafter, drafter_name) in float32 on CPU; `auto` picks the best shipped drafter."""
+    tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
+    target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32).eval()
+    candidates = [drafter] if drafter != "auto" else ["hyperdflash", "mtp"]
+    for name in candidates:
+        try:
+            path = reference.mtp_path() if name == "mtp" else reference.drafter_path(name)
+        except FileNotFoundError:
+            if drafter != "auto":
+                raise
+            continue
+        model = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+        return tokenizer, target, model, name
+    raise FileNotFoundError("No reference drafter is shipped with this installation.")
+
+
+@dataclass
+class DemoResult:
+    plain_text: str
+    speculative_text: str
+    identical: bool
+    tau: float
+    speedup: float
+    plain_seconds: float
+    speculative_seconds: float
+    new_tokens: int
+
+
+def _timed(fn) -> tuple[float, torch.Tensor]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def run_demo(
+    tokenizer,
+    target: PreTrainedModel,
+    drafter: PreTrainedModel,
+    prompt: str = DEFAULT_PROMPT,
+    max_new_tokens: int = 128,
+    repeats: int = 3,
+    thinking: bool = False,
+) -> DemoResult:
+    messages = [{"role": "user", "content": prompt}]
+    input_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=thinking, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    plain_times, spec_times = [], []
+    target.generate(input_ids, max_new_tokens=4, do_sample=False)  # warm-up
+    for _ in range(repeats):
+        seconds, plain = _timed(lambda: target.generate(input_ids, **settings))
+        plain_times.append(seconds)
+        seconds, speculative = _timed(lambda: target.generate(input_ids, assistant_model=drafter, **settings))
+        spec_times.append(seconds)
+    prompt_length = input_ids.shape[1]
+    plain_s, spec_s = statistics.median(plain_times), statistics.median(spec_times)
+    return DemoResult(
+        plain_text=tokenizer.decode(plain[0, prompt_length:], skip_special_tokens=True),
+        speculative_text=tokenizer.decode(speculative[0, prompt_length:], skip_special_tokens=True),
+        identical=torch.equal(plain, speculative),
+        tau=drafter.last_generation_stats["mean_accepted_length"],
+        speedup=plain_s / spec_s,
+        plain_seconds=plain_s,
+        speculative_seconds=spec_s,
+        new_tokens=int(plain.shape[1] - prompt_length),
+    )

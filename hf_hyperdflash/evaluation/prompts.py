@@ -1,0 +1,24 @@
+"""Evaluation prompts as chat-formatted token ids."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ..sharegpt import load_conversations
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, thinking: bool = False) -> torch.LongTensor:
+    """[1, S] ids of a one-turn chat ending in the assistant prefix (thinking section open or closed)."""
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=thinking, return_tensors="pt", return_dict=True
+    )["input_ids"]
+
+
+def held_out_prompts(count: int, max_chars: int = 2000) -> list[str]:
+    """The first user turns of the first `count` held-out ShareGPT conversations (never trained on)."""
+    prompts = [c.first_prompt[:max_chars] for c in load_conversations("held_out") if c.first_prompt]
+    if len(prompts) < count:
+        raise ValueError(f"Only {len(prompts)} held-out prompts exist; ask for at most that many.")
+    return prompts[:count]
