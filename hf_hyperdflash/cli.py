@@ -1,4 +1,4 @@
-"""`hyperdflash` command line: demo (the quick start), build-reference (retrain the shipped models)."""
+"""`hyperdflash` command line: demo (the quick start), train (a drafter), build-reference (the shipped models)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result.identical else 1
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .training.command import run_train
+
+    print(f"drafter saved to {run_train(args)}")
+    return 0
+
+
 def _build_reference(args: argparse.Namespace) -> int:
     from .reference import build
 
@@ -51,6 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--thinking", action="store_true", help="thinking chat mode (open <think> section)")
     demo.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     demo.set_defaults(run=_demo)
+
+    from .training.command import __doc__ as train_doc
+    from .training.command import add_train_arguments
+
+    train = commands.add_parser(
+        "train",
+        help="generate the target's replies and train a drafter on them",
+        description=train_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_train_arguments(train).set_defaults(run=_train)
 
     rebuild = commands.add_parser(
         "build-reference", help="retrain the shipped tokenizer, target and native MTP", add_help=False

@@ -244,7 +244,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         self.stats.new_tokens = input_ids.shape[1] - self.prompt_length
 
 
-def _check_compatible(target: DeepseekV4Target, drafter: PreTrainedModel) -> None:
+def check_compatible(target: DeepseekV4Target, drafter: PreTrainedModel) -> None:
     config = drafter.config
     for name, expected in (
         ("hidden_size", target.hidden_size),
@@ -339,7 +339,7 @@ _GENERATE_SIGNATURE = inspect.signature(_ORIGINAL_GENERATE)
 
 def speculative_generate(target_model: PreTrainedModel, drafter: PreTrainedModel, bound: inspect.BoundArguments):
     target = get_target_adapter(target_model)
-    _check_compatible(target, drafter)
+    check_compatible(target, drafter)
     _validate_request(target_model, bound)
     num_draft_tokens = _num_draft_tokens(drafter)
     stats = GenerationStats(num_draft_tokens=num_draft_tokens)

@@ -6,14 +6,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..sharegpt import load_conversations
+from ..training.data import encode_prompt
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, thinking: bool = False) -> torch.LongTensor:
     """[1, S] ids of a one-turn chat ending in the assistant prefix (thinking section open or closed)."""
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, enable_thinking=thinking, return_tensors="pt", return_dict=True
-    )["input_ids"]
+    return torch.tensor([encode_prompt(tokenizer, [{"role": "user", "content": prompt}], thinking)])
 
 
 def held_out_prompts(count: int, max_chars: int = 2000) -> list[str]:

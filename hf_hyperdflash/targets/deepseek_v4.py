@@ -77,6 +77,11 @@ class DeepseekV4Target:
         return self.model.model.hc_head
 
     @property
+    def final_norm(self) -> nn.Module:
+        """`model.norm`, applied after the collapse head and before `lm_head`."""
+        return self.model.model.norm
+
+    @property
     def feature_device(self) -> torch.device:
         """Where the last decoder layer (and so the captured residual) lives; the drafter runs there."""
         return self.collapse_head.hc_fn.device

@@ -27,7 +27,7 @@ def plot_curves(log_paths: dict[str, str | Path], out_png: str | Path, title: st
             points = [(r["step"], r[term]) for r in records if term in r]
             if points:
                 steps, values = zip(*points, strict=True)
-                axis.plot(steps, values, label=label)
+                axis.plot(steps, values, label=label, marker="." if len(steps) < 30 else None)
         axis.set_title(term)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)

@@ -1,7 +1,9 @@
 """A small, resumable training loop on accelerate, shared by the reference-model build and drafter training.
 
 Batches are indexed by step (a seeded permutation per epoch, sharded across processes), so a run that
-resumes from a checkpoint sees exactly the batches an uninterrupted run would have seen.
+resumes from a checkpoint sees exactly the batches an uninterrupted run would have seen. Each example reaches
+`collate` tagged with its `epoch` and `index`, so per-example randomness (e.g. anchor sampling) can be seeded
+by them and replays exactly too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+EvalFn = Callable[[torch.nn.Module], dict[str, float]]
+OptimizerFactory = Callable[[list[torch.nn.Parameter], "LoopConfig"], torch.optim.Optimizer]
 
 
 @dataclass
@@ -37,6 +41,7 @@ class LoopConfig:
     log_every: int = 10
     seed: int = 0
     mixed_precision: str = "no"  # "no" | "bf16"
+    eval_every: int = 0  # steps between `evaluate` calls (and at the last step); 0 = never
 
 
 @lru_cache(maxsize=4)
@@ -44,17 +49,24 @@ def _epoch_order(seed: int, epoch: int, num_examples: int) -> list[int]:
     return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
 
 
-def batch_indices(step: int, micro: int, num_examples: int, config: LoopConfig, rank: int, world: int) -> list[int]:
-    """Example indices of one micro-batch: a fixed function of (seed, step), so resumed runs replay exactly."""
+def batch_samples(
+    step: int, micro: int, num_examples: int, config: LoopConfig, rank: int, world: int
+) -> list[tuple[int, int]]:
+    """(epoch, example index) of each example of one micro-batch: a fixed function of (seed, step), so resumed
+    runs replay exactly."""
     global_batch = config.batch_size * world * config.gradient_accumulation_steps
     if global_batch > num_examples:
         raise ValueError(f"A global batch of {global_batch} exceeds the {num_examples} training examples; lower it.")
     start = (step * config.gradient_accumulation_steps + micro) * config.batch_size * world
-    indices = []
+    samples = []
     for offset in range(start + rank * config.batch_size, start + (rank + 1) * config.batch_size):
         epoch, position = divmod(offset, num_examples)
-        indices.append(_epoch_order(config.seed, epoch, num_examples)[position])
-    return indices
+        samples.append((epoch, _epoch_order(config.seed, epoch, num_examples)[position]))
+    return samples
+
+
+def adamw(parameters: list[torch.nn.Parameter], config: LoopConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
 
 
 def _save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, config: LoopConfig) -> None:
@@ -80,6 +92,15 @@ def _resume_step(accelerator: Accelerator, run_dir: Path) -> int:
     return json.loads((checkpoint / "loop_state.json").read_text())["step"]
 
 
+def _due(done: int, every: int, total: int) -> bool:
+    return done % every == 0 or done == total
+
+
+def _write_log(log_path: Path, record: dict) -> None:
+    with log_path.open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
 def _truncate_log(log_path: Path, step: int) -> None:
     """Drop log lines written after the checkpoint we resume from, so the curve has no duplicates."""
     if not log_path.exists():
@@ -98,19 +119,28 @@ def run_training(
     accelerator: Accelerator | None = None,
     description: str = "training",
     on_checkpoint: Callable[[int], None] | None = None,
+    evaluate: EvalFn | None = None,
+    make_optimizer: OptimizerFactory = adamw,
 ) -> torch.nn.Module:
     """Train `model` (only its parameters with requires_grad) and return it unwrapped.
 
     `compute_losses(model, batch)` returns named loss terms; "loss" is optimised, every term is logged to
-    `run_dir/log.jsonl`. A checkpoint in `run_dir/checkpoint` is resumed automatically.
+    `run_dir/log.jsonl`. A checkpoint in `run_dir/checkpoint` is resumed automatically. With
+    `config.eval_every`, the main process logs `evaluate(unwrapped model)` (in eval mode, no grad) every
+    `eval_every` steps and at the last one, while the other processes wait.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=config.mixed_precision)
     set_seed(config.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.total_steps)
+    optimizer = make_optimizer(trainable, config)
+    # A prepared scheduler advances once per process per optimizer step (accelerate assumes each process's
+    # dataloader shrank by the process count); our step count does not shrink, so stretch the schedule to match.
+    stretch = (
+        accelerator.num_processes if accelerator.step_scheduler_with_optimizer and not accelerator.split_batches else 1
+    )
+    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps * stretch, config.total_steps * stretch)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     start_step = _resume_step(accelerator, run_dir)
     log_path = run_dir / "log.jsonl"
@@ -126,13 +156,14 @@ def run_training(
         disable=not accelerator.is_main_process,
     )
     window: dict[str, float] = {}
-    tokens_in_window, window_start = 0, time.perf_counter()
+    tokens_in_window, window_start, logged_at = 0, time.perf_counter(), start_step
     for step in progress:
         for micro in range(config.gradient_accumulation_steps):
-            picked = batch_indices(
+            picked = batch_samples(
                 step, micro, len(examples), config, accelerator.process_index, accelerator.num_processes
             )
-            batch = {k: v.to(accelerator.device) for k, v in collate([examples[i] for i in picked]).items()}
+            rows = [{**examples[index], "epoch": epoch, "index": index} for epoch, index in picked]
+            batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
             with accelerator.autocast():
                 losses = compute_losses(model, batch)
             accelerator.backward(losses["loss"] / config.gradient_accumulation_steps)
@@ -145,9 +176,9 @@ def run_training(
         optimizer.zero_grad(set_to_none=True)
 
         done = step + 1
-        if done % config.log_every == 0 or done == config.total_steps:
+        if _due(done, config.log_every, config.total_steps):
             elapsed = time.perf_counter() - window_start
-            steps_in_window = done - max(start_step, done - config.log_every) or 1
+            steps_in_window, logged_at = done - logged_at, done
             record = {name: total / steps_in_window for name, total in window.items()}
             record = {name: accelerator.reduce(torch.tensor(v), reduction="mean").item() for name, v in record.items()}
             tokens = accelerator.reduce(torch.tensor(tokens_in_window), reduction="sum").item()
@@ -158,12 +189,21 @@ def run_training(
                 tokens_per_second=tokens / elapsed if elapsed > 0 else math.nan,
             )
             if accelerator.is_main_process:
-                with log_path.open("a") as handle:
-                    handle.write(json.dumps(record) + "\n")
+                _write_log(log_path, record)
                 progress.set_postfix(loss=f"{record['loss']:.3f}")
             window, tokens_in_window, window_start = {}, 0, time.perf_counter()
-        if done % config.checkpoint_every == 0 or done == config.total_steps:
+        pause_start = time.perf_counter()  # evaluation and checkpoints do not count against throughput
+        if evaluate is not None and config.eval_every and _due(done, config.eval_every, config.total_steps):
+            if accelerator.is_main_process:
+                model.eval()
+                with torch.no_grad():
+                    metrics = evaluate(accelerator.unwrap_model(model))
+                model.train()
+                _write_log(log_path, {"step": done, **metrics})
+            accelerator.wait_for_everyone()
+        if _due(done, config.checkpoint_every, config.total_steps):
             _save_checkpoint(accelerator, run_dir, done, config)
             if on_checkpoint is not None and accelerator.is_main_process:
                 on_checkpoint(done)
+        window_start += time.perf_counter() - pause_start
     return accelerator.unwrap_model(model)

@@ -1,0 +1,262 @@
+"""Drafter training data: prompts answered by the target itself, stored as token ids plus a reply mask.
+
+A drafter should imitate what the *target* says, so every prompt is re-answered by the target
+(`target.generate`, no assistant). Replies are appended to `shard-<rank>.jsonl` files in a data directory,
+one record per prompt (`{"index", "input_ids", "loss_mask"}`, loss_mask 1 on reply tokens), so an
+interrupted run resumes where it stopped and several processes can answer disjoint prompts at once.
+
+Prompt sources: `"sharegpt"` (first user turn of each conversation of a split of the packaged ShareGPT),
+a JSONL file of chats (`{"messages": [...]}`: messages up to the first user turn) or prompts
+(`{"prompt": "..."}`), or a Hugging Face dataset name (needs the `datasets` library).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from itertools import groupby
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..sharegpt import ROLE_NAMES, load_conversations
+
+Messages = list[dict[str, str]]
+SETTINGS_FILE = "settings.json"
+
+
+def _up_to_first_user_turn(messages: Sequence[dict[str, str]]) -> Messages | None:
+    """The chat prefix the target answers: any system turn, then the first user turn (None without one)."""
+    prefix = []
+    for message in messages:
+        prefix.append({"role": message["role"], "content": message["content"]})
+        if message["role"] == "user":
+            return prefix
+    return None
+
+
+def _prompt_from_record(record: dict) -> Messages | None:
+    if "messages" in record:
+        return _up_to_first_user_turn(record["messages"])
+    if "conversations" in record:  # ShareGPT layout on the Hub: {"from": "human", "value": ...}
+        turns = [
+            {"role": ROLE_NAMES.get(t.get("from"), ""), "content": t.get("value", "")} for t in record["conversations"]
+        ]
+        return _up_to_first_user_turn(turns)
+    for key in ("prompt", "instruction"):
+        if isinstance(record.get(key), str) and record[key].strip():
+            return [{"role": "user", "content": record[key]}]
+    return None
+
+
+def _jsonl_records(path: Path) -> Iterable[dict]:
+    with path.open() as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number} is not valid JSON ({error}).") from error
+
+
+def _hub_records(name: str, split: str) -> Iterable[dict]:
+    try:
+        import datasets
+    except ImportError as error:
+        raise ValueError(
+            f"{name!r} is neither 'sharegpt' nor an existing JSONL file, and reading it as a Hugging Face dataset "
+            "needs the `datasets` library: `pip install datasets`, or pass a JSONL file."
+        ) from error
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as error:  # the library raises many types (connection, missing split, unknown name)
+        raise ValueError(f"Could not load the Hugging Face dataset {name!r} (split {split!r}): {error}") from error
+
+
+def load_prompts(source: str, split: str = "train", limit: int | None = None) -> list[Messages]:
+    """Chat prefixes (ending with a user turn) to answer: from ShareGPT, a JSONL file or a Hub dataset.
+
+    `split` picks the ShareGPT side ("train" / "held_out") or the Hub dataset split; a JSONL file is used whole.
+    """
+    if source == "sharegpt":
+        conversations = load_conversations(split)
+        records: Iterable[dict] = ({"messages": list(c.messages)} for c in conversations)
+    elif Path(source).is_file():
+        records = _jsonl_records(Path(source))
+    elif source.endswith((".jsonl", ".json")):
+        raise ValueError(f"Prompt file {source} does not exist.")
+    else:
+        records = _hub_records(source, split)
+    prompts = []
+    for record in records:
+        prompt = _prompt_from_record(record)
+        if prompt is not None:
+            prompts.append(prompt)
+            if limit is not None and len(prompts) == limit:
+                break
+    if not prompts:
+        raise ValueError(
+            f"No usable prompts in {source!r}: records need 'messages' with a user turn, 'conversations', "
+            "'prompt' or 'instruction'."
+        )
+    return prompts
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, messages: Messages, enable_thinking: bool) -> list[int]:
+    """Token ids of the chat template with the assistant turn opened, thinking on or off."""
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=enable_thinking, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _read_shard(path: Path) -> list[dict]:
+    """Records of one shard; an unparsable *last* line is an interrupted append and is left out."""
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number != len(lines) - 1:
+                raise ValueError(f"{path} is corrupt at line {number + 1}; delete the data directory.") from None
+    return records
+
+
+def _read_records(data_dir: Path) -> list[dict]:
+    return [record for shard in sorted(data_dir.glob("shard-*.jsonl")) for record in _read_shard(shard)]
+
+
+def _check_settings(data_dir: Path, settings: dict, write: bool) -> None:
+    """Refuse to mix replies generated with other prompts or sampling settings in one directory."""
+    path = data_dir / SETTINGS_FILE
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if stored != settings:
+            changed = sorted(k for k in settings.keys() | stored.keys() if stored.get(k) != settings.get(k))
+            raise ValueError(
+                f"{data_dir} holds replies generated with other settings ({', '.join(changed)} differ). "
+                "Use another data directory, or delete this one to regenerate."
+            )
+    elif write:  # atomically: other ranks may be reading it
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(settings, indent=1))
+        partial.replace(path)
+
+
+def _batches(pending: list[tuple[int, list[int]]], batch_size: int, mixed_lengths: bool):
+    """Prompts sorted by length, cut into batches; unless `mixed_lengths`, a batch holds one prompt length only.
+
+    DeepSeek-V4's compressors cut windows by sequence index and do not mask padding, so a left-padded prompt
+    is not answered exactly as it would be alone: equal-length batches need no padding and stay exact.
+    """
+    ordered = sorted(pending, key=lambda item: (len(item[1]), item[0]))
+    groups = [ordered] if mixed_lengths else [list(g) for _, g in groupby(ordered, key=lambda item: len(item[1]))]
+    for group in groups:
+        for start in range(0, len(group), batch_size):
+            yield group[start : start + batch_size]
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = torch.tensor(row)
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids, attention_mask
+
+
+def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """The reply up to and including its first end-of-sequence token (the rest is generate's padding)."""
+    for position, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: position + 1]
+    return tokens
+
+
+def generate_replies(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Messages],
+    data_dir: str | Path,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    enable_thinking: bool = False,
+    batch_size: int = 8,
+    mixed_lengths: bool = False,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+) -> None:
+    """Answer every prompt not answered yet in `data_dir` with the target; this process takes every
+    `world_size`-th prompt starting at `rank` and appends to its own shard.
+
+    `temperature` 0 decodes greedily; otherwise it samples at that temperature (other sampling settings, e.g.
+    top_p, come from the target's generation config). A batch is seeded by `seed` and its first prompt index.
+    """
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    encoded = [encode_prompt(tokenizer, messages, enable_thinking) for messages in prompts]
+    settings = {
+        "prompts_sha256": hashlib.sha256(json.dumps(encoded).encode()).hexdigest(),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "enable_thinking": enable_thinking,
+        "seed": seed,
+    }
+    _check_settings(data_dir, settings, write=rank == 0)
+    shard = data_dir / f"shard-{rank:03d}.jsonl"
+    if shard.exists():  # rewrite without an interrupted last line, so appends start on a fresh line
+        shard.write_text("".join(json.dumps(record) + "\n" for record in _read_shard(shard)))
+    done = {record["index"] for record in _read_records(data_dir)}
+    pending = [(i, ids) for i, ids in enumerate(encoded) if i % world_size == rank and i not in done]
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = target.generation_config.eos_token_id if target.generation_config.eos_token_id is not None else []
+    eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    device = target.get_input_embeddings().weight.device
+    progress = tqdm(total=len(pending), desc=f"target replies (rank {rank})", disable=not pending)
+    for batch in _batches(pending, batch_size, mixed_lengths):
+        input_ids, attention_mask = _left_pad([ids for _, ids in batch], pad_id)
+        torch.manual_seed(seed * 1_000_003 + batch[0][0])
+        with torch.no_grad():
+            output = target.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad_id,
+                **sampling,
+            )
+        with shard.open("a") as handle:
+            for (index, prompt_ids), row in zip(batch, output[:, input_ids.shape[1] :].tolist(), strict=True):
+                reply = _cut_at_eos(row, eos_ids)
+                record = {
+                    "index": index,
+                    "input_ids": prompt_ids + reply,
+                    "loss_mask": [0] * len(prompt_ids) + [1] * len(reply),
+                }
+                handle.write(json.dumps(record) + "\n")
+        progress.update(len(batch))
+    progress.close()
+
+
+def load_examples(data_dir: str | Path, max_length: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Training examples in prompt order: `input_ids` (long) and `loss_mask` (bool), cut to `max_length`.
+
+    Examples left with no reply token after the cut are dropped (they would give no draft block).
+    """
+    records = sorted(_read_records(Path(data_dir)), key=lambda record: record["index"])
+    if not records:
+        raise ValueError(f"No generated replies in {data_dir}; run the data generation first.")
+    examples = []
+    for record in records:
+        input_ids = torch.tensor(record["input_ids"][:max_length], dtype=torch.long)
+        loss_mask = torch.tensor(record["loss_mask"][:max_length], dtype=torch.bool)
+        if loss_mask[1:].any():
+            examples.append({"input_ids": input_ids, "loss_mask": loss_mask})
+    return examples

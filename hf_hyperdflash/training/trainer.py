@@ -1,0 +1,230 @@
+"""Train a HyperDFlash (or vanilla-DFlash) drafter against a frozen DeepSeek-V4 target.
+
+Target features are computed online: every batch runs the frozen target once over the padded sequences,
+capturing the final pre-collapse residual (conditioning and KL teacher) and, for `conditioning="intermediate"`,
+the outputs of `target_layer_ids`. The drafter then drafts all sampled blocks of every sequence in one forward.
+The loop is `run_training` (accelerate: multi-process, accumulation, cosine LR, clipping, bf16, resume).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, PartialState
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
+
+from ..evaluation.runner import MethodResult
+from ..generation import check_compatible
+from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
+from ..targets import get_target_adapter
+from .collator import BlockCollator
+from .curves import plot_curves
+from .loop import EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
+from .losses import LossConfig, block_losses, teacher_logits
+
+# The draft layers' projections (attention and SwiGLU); the reducer, norms and mask embedding stay frozen.
+LORA_TARGET_MODULES = r".*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+QUANTIZATIONS = ("none", "8bit", "4bit")
+
+
+def import_bitsandbytes(feature: str):
+    """bitsandbytes, or a ValueError naming `feature` and the fix (it is an optional extra and needs CUDA)."""
+    try:
+        import bitsandbytes
+    except (ImportError, RuntimeError, OSError) as error:
+        raise ValueError(
+            f"{feature} needs bitsandbytes, which is not usable here ({error}). Install the extra with "
+            "`pip install 'hf-hyperdflash[quantization]'` on a CUDA machine, or drop the option."
+        ) from error
+    if not torch.cuda.is_available():
+        raise ValueError(f"{feature} needs bitsandbytes on a CUDA GPU, and no GPU is visible; drop the option.")
+    return bitsandbytes
+
+
+def optimizer_factory(name: str) -> OptimizerFactory:
+    """The optimizer factory for `name`: adamw (torch) or adamw_8bit (bitsandbytes, checked now, before any work)."""
+    if name == "adamw":
+        return adamw
+    if name == "adamw_8bit":
+        bnb = import_bitsandbytes("The 8-bit optimizer (optimizer='adamw_8bit')")
+        return lambda params, config: bnb.optim.AdamW8bit(
+            params, lr=config.learning_rate, weight_decay=config.weight_decay
+        )
+    raise ValueError(f"`optimizer` must be 'adamw' or 'adamw_8bit', got {name!r}.")
+
+
+def load_target(
+    path: str | Path, device: torch.device | str, dtype: str = "auto", quantization: str = "none"
+) -> PreTrainedModel:
+    """The frozen target in eval mode on `device`, optionally quantized to 8 or 4 bits (bitsandbytes)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"`quantization` must be one of {QUANTIZATIONS}, got {quantization!r}.")
+    kwargs = {}
+    if quantization != "none":
+        import_bitsandbytes(f"A {quantization} target (target_quantization='{quantization}')")
+        bits = {"load_in_8bit": True} if quantization == "8bit" else {"load_in_4bit": True}
+        kwargs = {"quantization_config": BitsAndBytesConfig(**bits), "device_map": {"": device}}
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    get_target_adapter(target)  # a clear error for unsupported families
+    if quantization == "none":
+        target.to(device)
+    return target.eval().requires_grad_(False)
+
+
+def build_drafter(
+    target: PreTrainedModel,
+    init_from: str | Path | None = None,
+    lora_rank: int = 0,
+    lora_alpha: float = 16.0,
+    lora_dropout: float = 0.0,
+    **overrides,
+) -> HyperDFlashForDrafting | PeftModel:
+    """A new drafter for `target` (config `overrides`), or a saved one to fine-tune; with `lora_rank` > 0,
+    the saved drafter wrapped with LoRA adapters on its draft layers' projections."""
+    if init_from is None:
+        if lora_rank:
+            raise ValueError("LoRA fine-tunes an existing drafter: pass `init_from` (a saved drafter directory).")
+        return HyperDFlashForDrafting.from_target(target, **overrides)
+    if overrides:
+        raise ValueError(
+            f"Drafter settings {sorted(overrides)} only apply to a new drafter; `init_from` keeps the saved config."
+        )
+    drafter = HyperDFlashForDrafting.from_pretrained(init_from, dtype=torch.float32)
+    check_compatible(get_target_adapter(target), drafter)
+    if not lora_rank:
+        return drafter
+    config = LoraConfig(
+        r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=LORA_TARGET_MODULES
+    )
+    return get_peft_model(drafter, config)
+
+
+def merge_lora(drafter: HyperDFlashForDrafting | PeftModel) -> HyperDFlashForDrafting:
+    """A plain drafter: LoRA adapters folded into the weights, so it saves and loads like any drafter."""
+    return drafter.merge_and_unload() if isinstance(drafter, PeftModel) else drafter
+
+
+def _draft_model(drafter: HyperDFlashForDrafting | PeftModel) -> HyperDFlashForDrafting:
+    """The drafter module `generate` calls (under LoRA, the base model with adapters injected)."""
+    return drafter.get_base_model() if isinstance(drafter, PeftModel) else drafter
+
+
+class DrafterWithFrozenTarget(nn.Module):
+    """The trainable drafter next to a frozen target; `forward` returns the loss terms of one batch.
+
+    The target is held by its adapter, not as a submodule, so it stays out of the optimiser, the checkpoint
+    and DistributedDataParallel.
+    """
+
+    def __init__(self, drafter: HyperDFlashForDrafting | PeftModel, target: PreTrainedModel, losses: LossConfig):
+        super().__init__()
+        self.drafter = drafter
+        self.target = get_target_adapter(target)
+        self.losses = losses
+        config = drafter.config
+        self.layer_ids = list(config.target_layer_ids) if config.conditioning == "intermediate" else None
+
+    @torch.no_grad()
+    def _target_pass(self, input_ids: torch.LongTensor, anchor_positions: torch.LongTensor):
+        """Conditioning features, KL teacher logits and anchor embeddings from one frozen target forward.
+
+        Sequences are right-padded, so no mask is needed: every target layer is causal, and padding only
+        follows the real tokens.
+        """
+        with self.target.capture() as final, self.target.capture(self.layer_ids) as conditioning:
+            self.target.model.model(input_ids=input_ids, use_cache=False)
+            features = conditioning.features()
+            teacher = teacher_logits(
+                self.target, final.features(), anchor_positions, self.losses.kl_positions, self.losses.teacher
+            )
+        return features, teacher, self.target.embed_tokens(input_ids.gather(1, anchor_positions))
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor,
+        anchor_positions: torch.LongTensor,
+        labels: torch.LongTensor,
+    ) -> dict[str, torch.Tensor]:
+        features, teacher, anchor_embeds = self._target_pass(input_ids, anchor_positions)
+        batch, length = input_ids.shape
+        hidden = self.drafter(
+            anchor_embeds=anchor_embeds,
+            target_hidden=features,
+            context_position_ids=torch.arange(length, device=input_ids.device).expand(batch, length),
+            anchor_position_ids=anchor_positions,
+            context_mask=attention_mask,
+        ).last_hidden_state
+        drafted = hidden.unflatten(1, (anchor_positions.shape[1], -1))[:, :, 1:]  # slot 0 is the anchor
+        lm_head = self.target.lm_head
+        logits = lm_head(drafted.to(lm_head.weight.dtype))
+        return block_losses(logits, labels, teacher, self.losses)
+
+
+def _batch_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return model(**{name: value for name, value in batch.items() if name != "num_tokens"})
+
+
+def tau_evaluator(target: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> EvalFn:
+    """Greedy tau (mean accepted length with the bonus token, pooled over all verify steps) on `prompts`,
+    measured through the real `target.generate(..., assistant_model=drafter)` path."""
+
+    def evaluate(model: DrafterWithFrozenTarget) -> dict[str, float]:
+        drafter = _draft_model(model.drafter)
+        device = target.get_input_embeddings().weight.device
+        result = MethodResult(name="drafter")
+        for prompt in prompts:
+            input_ids = torch.tensor([list(prompt)], device=device)
+            target.generate(input_ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+            result.accepted_per_step += drafter.last_generation_stats["accepted_per_step"]
+        return {"tau": result.tau}
+
+    return evaluate
+
+
+def train_drafter(
+    drafter: HyperDFlashForDrafting | PeftModel,
+    target: PreTrainedModel,
+    examples: Sequence[dict[str, torch.Tensor]],
+    run_dir: str | Path,
+    loop: LoopConfig,
+    losses: LossConfig | None = None,
+    anchors_per_sequence: int = 16,
+    eval_prompts: Sequence[Sequence[int]] = (),
+    eval_max_new_tokens: int = 64,
+    make_optimizer: OptimizerFactory = adamw,
+    accelerator: Accelerator | None = None,
+    on_checkpoint: Callable[[int], None] | None = None,
+) -> HyperDFlashForDrafting:
+    """Train `drafter` on `examples` (from `load_examples`) and return it as a plain drafter (LoRA merged).
+
+    `target` must sit on the accelerator's device. `run_dir` receives the checkpoint (resumed automatically),
+    `log.jsonl` (every loss term, accuracies, lr, throughput, and `tau` on `eval_prompts` every
+    `loop.eval_every` steps) and `curves.png`.
+    """
+    losses = losses or LossConfig()
+    block_size = drafter.config.block_size
+    if losses.kl_positions > block_size - 1:
+        raise ValueError(f"`kl_positions` ({losses.kl_positions}) exceeds the {block_size - 1} drafted slots.")
+    pad_token_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+    collate = BlockCollator(block_size, anchors_per_sequence, pad_token_id=pad_token_id, seed=loop.seed)
+    module = run_training(
+        DrafterWithFrozenTarget(drafter, target, losses),
+        examples,
+        collate,
+        _batch_losses,
+        run_dir,
+        loop,
+        accelerator=accelerator,
+        description="drafter",
+        on_checkpoint=on_checkpoint,
+        evaluate=tau_evaluator(target, eval_prompts, eval_max_new_tokens) if eval_prompts else None,
+        make_optimizer=make_optimizer,
+    )
+    if PartialState().is_main_process:
+        plot_curves({"drafter": Path(run_dir) / "log.jsonl"}, Path(run_dir) / "curves.png", title="drafter training")
+    return merge_lora(module.drafter)

@@ -1,0 +1,85 @@
+"""`hyperdflash train` options (flags, config file, help) and a full single-process run, resumed and LoRA-tuned."""
+
+import argparse
+import json
+
+import pytest
+from accelerate.state import AcceleratorState
+from transformers import AutoModel, AutoTokenizer
+
+from hf_hyperdflash import reference
+from hf_hyperdflash.testing import tiny_deepseek_v4
+from hf_hyperdflash.training.command import DEFAULTS, add_train_arguments, resolve_settings, run_train
+from hf_hyperdflash.training.curves import read_log
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return add_train_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
+    config = tmp_path / "train.json"
+    config.write_text(
+        json.dumps({"block_size": 8, "learning_rate": 1e-4, "output_dir": "from_file", "thinking": True})
+    )
+    settings = resolve_settings(parse(["--config", str(config), "--learning-rate", "5e-4", "--no-thinking"]))
+    assert settings["block_size"] == 8 and settings["output_dir"] == "from_file"
+    assert settings["learning_rate"] == 5e-4 and settings["thinking"] is False
+    assert settings["kl_weight"] == DEFAULTS["kl_weight"]
+    assert parse(["--target-layer-ids", "0,2", "--output-dir", "x"]).target_layer_ids == [0, 2]
+
+    config.write_text(json.dumps({"blocksize": 8}))
+    with pytest.raises(ValueError, match="Unknown keys"):
+        resolve_settings(parse(["--config", str(config)]))
+    with pytest.raises(ValueError, match="--output-dir"):
+        resolve_settings(parse([]))
+
+
+def test_every_option_has_a_flag_and_help():
+    parser = add_train_arguments(argparse.ArgumentParser())
+    actions = {action.dest: action for action in parser._actions}
+    for name in DEFAULTS:
+        assert name in actions and len(actions[name].help) > 10, name
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("target")
+    tiny_deepseek_v4(seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **ids).save_pretrained(
+        path
+    )
+    return path
+
+
+def test_train_command_runs_resumes_and_lora_tunes(target_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?"}) + "\n" for i in range(4)))
+    common = ["--target", str(target_dir), "--tokenizer", str(reference.tokenizer_path())]
+    common += ["--data", str(prompts), "--max-new-tokens", "12", "--eval-data", str(prompts), "--eval-prompts", "1"]
+    common += ["--eval-max-new-tokens", "8", "--batch-size", "2", "--anchors-per-sequence", "4", "--warmup-steps", "1"]
+    common += ["--log-every", "1", "--checkpoint-every", "2", "--eval-every", "2", "--total-steps", "2"]
+    out = tmp_path / "out"
+    config = tmp_path / "drafter.json"
+    config.write_text(json.dumps({"block_size": 4, "num_layers": 1, "drafter_kind": "vanilla_dflash"}))
+
+    drafter_dir = run_train(parse([*common, "--config", str(config), "--output-dir", str(out)]))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True)
+    assert drafter.config.block_size == 4 and drafter.config.conditioning == "intermediate"
+    records = read_log(out / "run" / "log.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == [1, 2] and any("tau" in r for r in records)
+    assert json.loads((out / "train_settings.json").read_text())["num_processes"] == 1
+
+    run_train(parse([*common, "--config", str(config), "--output-dir", str(out)]))  # resumes: nothing left to do
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert read_log(out / "run" / "log.jsonl") == records
+
+    tuned = ["--init-from", str(drafter_dir), "--lora-rank", "2", "--data-dir", str(out / "data")]
+    with pytest.raises(ValueError, match="only apply to a new drafter"):
+        run_train(parse([*common, *tuned, "--block-size", "8", "--output-dir", str(tmp_path / "bad")]))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    tuned_dir = run_train(parse([*common, *tuned, "--output-dir", str(tmp_path / "lora")]))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert AutoModel.from_pretrained(tuned_dir, trust_remote_code=True).config.conditioning == "intermediate"

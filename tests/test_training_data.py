@@ -1,0 +1,163 @@
+"""Training data: prompt sources, the target's own replies generated resumably, and the example loader."""
+
+import json
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hf_hyperdflash import reference
+from hf_hyperdflash.testing import tiny_deepseek_v4
+from hf_hyperdflash.training.data import encode_prompt, generate_replies, load_examples, load_prompts
+
+# Two prompts of each of three token lengths, so equal-length batches of two form.
+WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega"]
+PROMPTS = [[{"role": "user", "content": " ".join(WORDS[: 1 + i // 2 * 2]) + f" {i}"}] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(reference.tokenizer_path())
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return tiny_deepseek_v4(seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **ids)
+
+
+def records(data_dir) -> dict[int, dict]:
+    rows = [
+        json.loads(line) for shard in sorted(data_dir.glob("shard-*.jsonl")) for line in shard.read_text().splitlines()
+    ]
+    return {row["index"]: row for row in rows}
+
+
+def generate(target, tokenizer, data_dir, **overrides):
+    settings = dict(max_new_tokens=6, batch_size=2, enable_thinking=False)
+    generate_replies(target, tokenizer, PROMPTS, data_dir, **{**settings, **overrides})
+
+
+def test_replies_are_the_targets_own_and_generation_resumes_without_redoing_prompts(
+    target, tokenizer, tmp_path, monkeypatch
+):
+    lengths = {len(encode_prompt(tokenizer, p, False)) for p in PROMPTS}
+    assert len(lengths) == 3, "the fixture should give three prompt lengths"
+    generate(target, tokenizer, tmp_path / "straight")
+    expected = records(tmp_path / "straight")
+    assert sorted(expected) == list(range(6))
+    for index, row in expected.items():
+        prompt_ids = encode_prompt(tokenizer, PROMPTS[index], False)
+        assert row["input_ids"][: len(prompt_ids)] == prompt_ids
+        assert row["loss_mask"] == [0] * len(prompt_ids) + [1] * (len(row["input_ids"]) - len(prompt_ids))
+        alone = target.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False)[0].tolist()
+        assert row["input_ids"] == alone, "equal-length batches reproduce unbatched greedy decoding exactly"
+
+    calls, crash = [], [True]
+    original = target.generate
+
+    def crashing_generate(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        if crash[0] and len(calls) == 2:
+            raise RuntimeError("interrupted")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, "generate", crashing_generate)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        generate(target, tokenizer, tmp_path / "resumed")
+    assert len(records(tmp_path / "resumed")) == 2
+    calls.clear()
+    crash[0] = False
+    generate(target, tokenizer, tmp_path / "resumed")
+    assert calls == [2, 2], "only the four unanswered prompts are generated"
+    assert records(tmp_path / "resumed") == expected
+    calls.clear()
+    generate(target, tokenizer, tmp_path / "resumed")
+    assert calls == []
+
+
+def test_an_interrupted_append_is_dropped_and_regenerated(target, tokenizer, tmp_path):
+    generate(target, tokenizer, tmp_path)
+    shard = tmp_path / "shard-000.jsonl"
+    lines = shard.read_text().splitlines()
+    shard.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # the last record was cut mid-write
+    assert len(load_examples(tmp_path)) == 5
+    generate(target, tokenizer, tmp_path)
+    assert [json.loads(line) for line in shard.read_text().splitlines()][-1] == json.loads(lines[-1])
+    assert len(load_examples(tmp_path)) == 6
+
+
+def test_settings_mismatch_and_sharded_ranks(target, tokenizer, tmp_path):
+    generate(target, tokenizer, tmp_path / "a")
+    with pytest.raises(ValueError, match="temperature"):
+        generate(target, tokenizer, tmp_path / "a", temperature=0.7)
+    for rank in (0, 1):
+        generate(target, tokenizer, tmp_path / "b", rank=rank, world_size=2)
+    assert [len(p.read_text().splitlines()) for p in sorted((tmp_path / "b").glob("shard-*"))] == [3, 3]
+    assert records(tmp_path / "b") == records(tmp_path / "a")
+
+
+def test_mixed_length_batches_are_left_padded(target, tokenizer, tmp_path):
+    generate(target, tokenizer, tmp_path / "exact")
+    generate(target, tokenizer, tmp_path / "mixed", mixed_lengths=True, batch_size=6)
+    exact, mixed = records(tmp_path / "exact"), records(tmp_path / "mixed")
+    lengths = {i: len(encode_prompt(tokenizer, PROMPTS[i], False)) for i in range(6)}
+    for index, row in mixed.items():
+        assert row["input_ids"][: lengths[index]] == encode_prompt(tokenizer, PROMPTS[index], False)
+        assert sum(row["loss_mask"]) == len(row["input_ids"]) - lengths[index] > 0
+        if lengths[index] == max(lengths.values()):  # the unpadded rows decode as alone
+            assert row == exact[index]
+
+
+def test_sampled_replies_and_thinking_mode(target, tokenizer, tmp_path):
+    generate(target, tokenizer, tmp_path / "greedy")
+    generate(target, tokenizer, tmp_path / "sampled", temperature=1.0, seed=0)
+    generate(target, tokenizer, tmp_path / "sampled_again", temperature=1.0, seed=0)
+    assert records(tmp_path / "sampled") != records(tmp_path / "greedy")
+    assert records(tmp_path / "sampled") == records(tmp_path / "sampled_again"), "seeded per batch"
+    thinking = encode_prompt(tokenizer, PROMPTS[0], enable_thinking=True)
+    plain = encode_prompt(tokenizer, PROMPTS[0], enable_thinking=False)
+    assert tokenizer.decode(thinking).endswith("<think>") and tokenizer.decode(plain).endswith("</think>")
+
+
+def test_loader_cuts_to_max_length_and_drops_examples_without_reply(target, tokenizer, tmp_path):
+    generate(target, tokenizer, tmp_path)
+    shortest_prompt = min(len(encode_prompt(tokenizer, p, False)) for p in PROMPTS)
+    examples = load_examples(tmp_path, max_length=shortest_prompt + 2)
+    assert 0 < len(examples) < 6
+    for example in examples:
+        assert len(example["input_ids"]) <= shortest_prompt + 2 and example["loss_mask"][1:].any()
+        assert example["input_ids"].dtype == torch.long and example["loss_mask"].dtype == torch.bool
+    with pytest.raises(ValueError, match="No generated replies"):
+        load_examples(tmp_path / "empty")
+
+
+def test_prompt_sources(tmp_path, monkeypatch):
+    chats = tmp_path / "chats.jsonl"
+    lines = [
+        {
+            "messages": [
+                {"role": "system", "content": "S"},
+                {"role": "user", "content": "Q1"},
+                {"role": "assistant", "content": "A"},
+            ]
+        },
+        {"prompt": "Q2"},
+        {"messages": [{"role": "assistant", "content": "no user turn"}]},
+        {"conversations": [{"from": "human", "value": "Q3"}, {"from": "gpt", "value": "A3"}]},
+    ]
+    chats.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert load_prompts(str(chats)) == [
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}],
+        [{"role": "user", "content": "Q2"}],
+        [{"role": "user", "content": "Q3"}],
+    ]
+    assert len(load_prompts(str(chats), limit=2)) == 2
+    held_out = load_prompts("sharegpt", "held_out", limit=3)
+    assert len(held_out) == 3 and all(p[-1]["role"] == "user" for p in held_out)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ValueError, match="pip install datasets"):
+        load_prompts("some-org/some-dataset")

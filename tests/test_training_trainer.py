@@ -1,0 +1,162 @@
+"""Drafter training on a frozen tiny target: learning, exact resume, LoRA, bf16, vanilla DFlash, bitsandbytes."""
+
+import json
+import sys
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from safetensors import safe_open
+from transformers import AutoModel
+
+import hf_hyperdflash  # noqa: F401  (generate() integration for the tau evaluation)
+from hf_hyperdflash import HyperDFlashForDrafting
+from hf_hyperdflash.testing import tiny_deepseek_v4
+from hf_hyperdflash.training.curves import read_log
+from hf_hyperdflash.training.loop import LoopConfig
+from hf_hyperdflash.training.losses import LossConfig
+from hf_hyperdflash.training.trainer import (
+    DrafterWithFrozenTarget,
+    build_drafter,
+    load_target,
+    optimizer_factory,
+    train_drafter,
+)
+
+PROMPT_LENGTH = 6
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """accelerate keeps one process-wide state; tests with other precisions need it cleared."""
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_deepseek_v4(seed=0).requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def examples(target):
+    """The target's own greedy replies to four random prompts."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(4):
+        prompt = torch.randint(3, target.config.vocab_size, (1, PROMPT_LENGTH), generator=generator)
+        with torch.no_grad():
+            ids = target.generate(prompt, max_new_tokens=24, do_sample=False)[0]
+        rows.append({"input_ids": ids, "loss_mask": torch.arange(len(ids)) >= PROMPT_LENGTH})
+    return rows
+
+
+def new_drafter(target, **overrides) -> HyperDFlashForDrafting:
+    torch.manual_seed(0)
+    return HyperDFlashForDrafting.from_target(target, block_size=4, num_hidden_layers=1, **overrides)
+
+
+def loop(**overrides) -> LoopConfig:
+    settings = dict(total_steps=6, batch_size=2, learning_rate=3e-3, warmup_steps=1, log_every=1, checkpoint_every=3)
+    return LoopConfig(**{**settings, **overrides})
+
+
+def losses_by_step(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_log(run_dir / "log.jsonl") if "loss" in r}
+
+
+def test_training_learns_the_overfit_set_and_logs_tau_and_curves(target, examples, tmp_path):
+    config = loop(total_steps=30, log_every=5, checkpoint_every=30, eval_every=30)
+    prompts = [row["input_ids"][:PROMPT_LENGTH].tolist() for row in examples[:2]]
+    train_drafter(
+        new_drafter(target), target, examples, tmp_path, config, anchors_per_sequence=8, eval_prompts=prompts
+    )
+    records = read_log(tmp_path / "log.jsonl")
+    train = [r for r in records if "loss" in r]
+    assert {"loss", "ce", "kl", "acc", "acc_1", "acc_2", "tau_forced", "tokens_per_second"} <= set(train[0])
+    assert train[-1]["ce"] < train[0]["ce"] - 0.3
+    assert train[-1]["acc"] > train[0]["acc"] + 0.15
+    taus = [r["tau"] for r in records if "tau" in r]
+    assert len(taus) == 1 and taus[0] >= 1.0
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_interrupted_then_resumed_run_matches_an_uninterrupted_one(target, examples, tmp_path):
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    train_drafter(new_drafter(target), target, examples, straight, loop(), anchors_per_sequence=4)
+
+    def stop(step: int) -> None:
+        raise KeyboardInterrupt(f"interrupted after step {step}")
+
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(
+            new_drafter(target), target, examples, interrupted, loop(), anchors_per_sequence=4, on_checkpoint=stop
+        )
+    assert sorted(losses_by_step(interrupted)) == [1, 2, 3]
+    with open(interrupted / "log.jsonl", "a") as handle:  # a record written after the checkpoint, before the crash
+        handle.write(json.dumps({"step": 4, "loss": 99.0}) + "\n")
+    # A differently initialised drafter: the checkpoint must restore weights, optimizer, schedule and anchors.
+    torch.manual_seed(123)
+    fresh = HyperDFlashForDrafting.from_target(target, block_size=4, num_hidden_layers=1)
+    train_drafter(fresh, target, examples, interrupted, loop(), anchors_per_sequence=4)
+
+    expected, resumed = losses_by_step(straight), losses_by_step(interrupted)
+    assert sorted(resumed) == list(range(1, 7))
+    for step, loss in expected.items():
+        assert resumed[step] == pytest.approx(loss, abs=1e-5), step
+    with safe_open(str(interrupted / "checkpoint" / "model.safetensors"), "pt") as checkpoint:
+        assert all(key.startswith("drafter.") for key in checkpoint.keys()), "the frozen target stays out"
+
+
+def test_lora_finetune_saves_a_plain_drafter_that_loads(target, examples, tmp_path):
+    base_dir = tmp_path / "base"
+    new_drafter(target).save_pretrained(base_dir)
+    wrapped = build_drafter(target, init_from=base_dir, lora_rank=4, lora_alpha=8)
+    trainable = {name for name, p in wrapped.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+
+    merged = train_drafter(wrapped, target, examples, tmp_path / "run", loop(total_steps=3), anchors_per_sequence=4)
+    assert type(merged) is HyperDFlashForDrafting
+    assert not any("lora" in key for key in merged.state_dict())
+    base = HyperDFlashForDrafting.from_pretrained(base_dir)
+    q_proj = "layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(merged.state_dict()[q_proj], base.state_dict()[q_proj]), "LoRA update merged"
+    assert torch.equal(merged.state_dict()["mask_embedding"], base.state_dict()["mask_embedding"])
+
+    merged.save_pretrained(tmp_path / "merged")
+    loaded = AutoModel.from_pretrained(tmp_path / "merged", trust_remote_code=True)
+    for key, value in merged.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+    with pytest.raises(ValueError, match="only apply to a new drafter"):
+        build_drafter(target, init_from=base_dir, block_size=8)
+    with pytest.raises(ValueError, match="existing drafter"):
+        build_drafter(target, lora_rank=4)
+
+
+def test_vanilla_dflash_trains_on_intermediate_layers_in_bf16_with_accumulation(target, examples, tmp_path):
+    drafter = new_drafter(target, reducer="dense", conditioning="intermediate", target_layer_ids=[1, 2])
+    input_ids = examples[0]["input_ids"][None]
+    features, _, _ = DrafterWithFrozenTarget(drafter, target, LossConfig())._target_pass(
+        input_ids, torch.tensor([[PROMPT_LENGTH]])
+    )
+    with torch.no_grad():
+        layer_outputs = target.model(input_ids=input_ids, output_hidden_states=True).hidden_states
+    assert torch.equal(features, torch.cat([layer_outputs[2], layer_outputs[3]], dim=2)), "outputs of layers 1, 2"
+
+    before = drafter.reducer.proj.weight.detach().clone()
+    config = loop(total_steps=2, mixed_precision="bf16", gradient_accumulation_steps=2)
+    train_drafter(drafter, target, examples, tmp_path, config, anchors_per_sequence=4)
+    records = [r for r in read_log(tmp_path / "log.jsonl") if "loss" in r]
+    assert len(records) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert not torch.equal(drafter.reducer.proj.weight, before), "the dense reducer over 2 layers x 4 streams trains"
+
+
+def test_bitsandbytes_options_fail_clearly_when_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as when it is not installed
+    with pytest.raises(ValueError, match=r"bitsandbytes.*hf-hyperdflash\[quantization\]"):
+        optimizer_factory("adamw_8bit")
+    with pytest.raises(ValueError, match=r"4bit target.*bitsandbytes"):
+        load_target(tmp_path, "cpu", quantization="4bit")
+    with pytest.raises(ValueError, match="must be one of"):
+        load_target(tmp_path, "cpu", quantization="3bit")
