@@ -63,6 +63,7 @@ DEFAULTS = {
     "data": "sharegpt",
     "data_split": "train",
     "num_prompts": None,
+    "max_prompt_chars": None,
     "data_dir": None,
     "max_new_tokens": 256,
     "temperature": 0.0,
@@ -165,6 +166,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     _option(data, "--data-split", "ShareGPT side (train / held_out) or Hub dataset split of --data.")
     _option(data, "--num-prompts", "Use only the first N prompts. Default: all.", type=int)
+    _option(data, "--max-prompt-chars", "Skip prompts longer than this many characters. Default: keep all.", type=int)
     _option(data, "--data-dir", "Where replies are stored (resumable). Default: OUTPUT_DIR/data.")
     _option(data, "--max-new-tokens", "Longest reply per prompt.", type=int)
     _option(data, "--temperature", "Sampling temperature of the replies; 0 = greedy.", type=float)
@@ -287,7 +289,7 @@ def run_train(args: argparse.Namespace) -> Path:
     generate_replies(
         target,
         tokenizer,
-        load_prompts(settings["data"], settings["data_split"], settings["num_prompts"]),
+        load_prompts(settings["data"], settings["data_split"], settings["num_prompts"], settings["max_prompt_chars"]),
         data_dir,
         max_new_tokens=settings["max_new_tokens"],
         temperature=settings["temperature"],

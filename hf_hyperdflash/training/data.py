@@ -76,10 +76,13 @@ def _hub_records(name: str, split: str) -> Iterable[dict]:
         raise ValueError(f"Could not load the Hugging Face dataset {name!r} (split {split!r}): {error}") from error
 
 
-def load_prompts(source: str, split: str = "train", limit: int | None = None) -> list[Messages]:
+def load_prompts(
+    source: str, split: str = "train", limit: int | None = None, max_chars: int | None = None
+) -> list[Messages]:
     """Chat prefixes (ending with a user turn) to answer: from ShareGPT, a JSONL file or a Hub dataset.
 
     `split` picks the ShareGPT side ("train" / "held_out") or the Hub dataset split; a JSONL file is used whole.
+    Prompts whose messages hold more than `max_chars` characters are skipped (long prompts dominate generation).
     """
     if source == "sharegpt":
         conversations = load_conversations(split)
@@ -93,6 +96,8 @@ def load_prompts(source: str, split: str = "train", limit: int | None = None) ->
     prompts = []
     for record in records:
         prompt = _prompt_from_record(record)
+        if prompt is not None and max_chars is not None and sum(len(m["content"]) for m in prompt) > max_chars:
+            continue
         if prompt is not None:
             prompts.append(prompt)
             if limit is not None and len(prompts) == limit:
