@@ -114,3 +114,22 @@ def oracle_drafting(oracle: OracleProposer) -> Iterator[OracleProposer]:
         yield oracle
     finally:
         BlockProposer.propose = original
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test; cells expecting < 5 samples are pooled (plus the next smallest until the pool expects 5)."""
+    expected = probs * counts.sum()
+    order = expected.argsort()
+    pooled = int((expected < 5).sum())
+    while 0 < pooled < len(order) and expected[order[:pooled]].sum() < 5:
+        pooled += 1
+    cell = torch.empty_like(order)
+    cell[order] = (torch.arange(len(order)) - pooled + 1).clamp_min(0)  # the pool is cell 0 (empty if none pooled)
+    observed_cells = torch.bincount(cell, weights=counts)
+    expected_cells = torch.bincount(cell, weights=expected)
+    keep = expected_cells > 0
+    if keep.sum() < 2:
+        raise ValueError(f"{int(counts.sum())} samples are too few: fewer than two cells expect 5 of them.")
+    statistic = ((observed_cells[keep] - expected_cells[keep]) ** 2 / expected_cells[keep]).sum()
+    dof = torch.tensor(int(keep.sum()) - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, statistic / 2))

@@ -1,0 +1,174 @@
+"""Bad input to speculative `generate()` raises a ValueError naming the problem; everything else is left alone.
+
+Nothing may fall back silently to plain decoding and be reported as speculative, and importing `hf_hyperdflash`
+must not change what `generate()` does for plain calls or for stock assistants.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
+from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashConfig, HyperDFlashForDrafting
+from hf_hyperdflash.testing import tiny_deepseek_v4
+
+PROMPT = torch.tensor([[5, 17, 33, 9, 250, 12]])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_deepseek_v4(seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    torch.manual_seed(1)
+    return HyperDFlashForDrafting.from_target(target, block_size=4).eval()
+
+
+def _speculative(target, drafter, **kwargs):
+    return target.generate(PROMPT, max_new_tokens=4, do_sample=False, assistant_model=drafter, **kwargs)
+
+
+def _tiny_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", 96), ("hc_mult", 2), ("vocab_size", 256)])
+def test_hyperdflash_drafter_for_another_target(target, drafter, field, value):
+    config = HyperDFlashConfig(**{**drafter.config.to_dict(), field: value})
+    other = HyperDFlashForDrafting(config).eval()
+    with pytest.raises(ValueError, match=f"different target: drafter {field}={value}, target {field}="):
+        _speculative(target, other)
+
+
+def test_mtp_drafter_for_another_target(target):
+    other = DeepseekV4MTPForDrafting.from_target(tiny_deepseek_v4(seed=0, vocab_size=256)).eval()
+    with pytest.raises(ValueError, match="different target: drafter vocab_size=256, target vocab_size=512"):
+        _speculative(target, other)
+
+
+def test_unsupported_target_family(drafter):
+    with pytest.raises(ValueError, match="does not support target model type 'llama'"):
+        _speculative(_tiny_llama(seed=0), drafter)
+
+
+def test_batch_larger_than_one(target, drafter):
+    with pytest.raises(ValueError, match="one prompt at a time; got a batch of 2"):
+        target.generate(PROMPT.repeat(2, 1), max_new_tokens=4, assistant_model=drafter)
+
+
+def test_several_return_sequences(target, drafter):
+    with pytest.raises(ValueError, match="one sequence per prompt; got num_return_sequences=2"):
+        target.generate(PROMPT, max_new_tokens=4, do_sample=True, num_return_sequences=2, assistant_model=drafter)
+
+
+def test_beam_search(target, drafter):
+    with pytest.raises(ValueError, match="Beam search cannot be combined with a speculative drafter"):
+        _speculative(target, drafter, num_beams=2)
+
+
+def test_more_draft_tokens_than_a_block_holds(target, drafter):
+    drafter.generation_config.num_assistant_tokens = drafter.config.block_size
+    try:
+        with pytest.raises(ValueError, match="`num_assistant_tokens`=4 exceeds what one block of size 4 can draft"):
+            _speculative(target, drafter)
+    finally:
+        drafter.generation_config.num_assistant_tokens = drafter.config.block_size - 1
+
+
+def test_non_rewindable_cache(target, drafter):
+    with pytest.raises(ValueError, match="needs a rewindable target cache, got DynamicCache"):
+        _speculative(target, drafter, past_key_values=DynamicCache())
+
+
+def test_padded_attention_mask(target, drafter):
+    attention_mask = torch.ones_like(PROMPT)
+    attention_mask[0, 0] = 0
+    with pytest.raises(ValueError, match="attention_mask has padding"):
+        _speculative(target, drafter, attention_mask=attention_mask)
+
+
+def _saved_drafter(kind: str, target, directory) -> str:
+    torch.manual_seed(1)
+    if kind == "mtp":
+        DeepseekV4MTPForDrafting.from_target(target).save_pretrained(directory)
+    else:
+        HyperDFlashForDrafting.from_target(target, block_size=4).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("kind", ["hyperdflash", "mtp"])
+def test_corrupt_checkpoint(target, tmp_path, kind):
+    directory = _saved_drafter(kind, target, tmp_path / kind)
+    weights = tmp_path / kind / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match="checkpoint .* is corrupt or incomplete"):
+        AutoModel.from_pretrained(directory, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("kind, removed", [("hyperdflash", "mask_embedding"), ("mtp", "e_proj.weight")])
+def test_partial_checkpoint(target, tmp_path, kind, removed):
+    directory = _saved_drafter(kind, target, tmp_path / kind)
+    weights = tmp_path / kind / "model.safetensors"
+    state = load_file(weights)
+    del state[removed]
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"does not match its config \(missing_keys: \['{removed}'\]\)"):
+        AutoModel.from_pretrained(directory, trust_remote_code=True)
+
+
+def test_plain_generate_is_unchanged_by_the_import(target, tmp_path):
+    """Greedy and sampled plain generate give the same tokens in a process that never imports hf_hyperdflash."""
+    target.save_pretrained(tmp_path / "target")
+    greedy = target.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    torch.manual_seed(0)
+    sampled = target.generate(PROMPT, max_new_tokens=12, do_sample=True, top_k=20)
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        from transformers import DeepseekV4ForCausalLM
+        torch.set_num_threads(1)
+        model = DeepseekV4ForCausalLM.from_pretrained({str(tmp_path / "target")!r}).float().eval()
+        prompt = torch.tensor({PROMPT.tolist()})
+        greedy = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        torch.manual_seed(0)
+        sampled = model.generate(prompt, max_new_tokens=12, do_sample=True, top_k=20)
+        assert "hf_hyperdflash" not in sys.modules
+        torch.save({{"greedy": greedy, "sampled": sampled}}, {str(tmp_path / "stock.pt")!r})
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    stock = torch.load(tmp_path / "stock.pt")
+    assert torch.equal(greedy, stock["greedy"])
+    assert torch.equal(sampled, stock["sampled"])
+
+
+def test_stock_assistant_keeps_transformers_assisted_decoding(monkeypatch):
+    target, assistant = _tiny_llama(seed=0), _tiny_llama(seed=1)
+    calls = []
+    original = AssistedCandidateGenerator.get_candidates
+
+    def spy(self, *args, **kwargs):
+        calls.append(type(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AssistedCandidateGenerator, "get_candidates", spy)
+    plain = target.generate(PROMPT, max_new_tokens=10, do_sample=False)
+    assisted = target.generate(PROMPT, max_new_tokens=10, do_sample=False, assistant_model=assistant)
+    assert torch.equal(plain, assisted)
+    assert calls and set(calls) == {AssistedCandidateGenerator}
+    assert not hasattr(assistant, "last_generation_stats")

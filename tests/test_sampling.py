@@ -1,0 +1,142 @@
+"""Speculative sampling through `generate()` draws from the target's own distribution.
+
+The target is the tiny stock V4 with an 8-token vocabulary and a sharpened `lm_head` (next-token distributions
+peaked but far from one-hot), so the exact joint distribution of the first `NEW_TOKENS` generated tokens can be
+enumerated from the target itself. Each sample is one `generate(..., do_sample=True, assistant_model=drafter)` call:
+the first token comes from the prefill, the next ones are drafted and verified, so the samples mix accepted drafts,
+tokens resampled from the residual after a rejection, bonus tokens, and verify steps on a rewound cache. A Pearson
+chi-square test compares the samples with the exact distribution; a negative control shows that the same test, with
+the same number of samples, rejects a subtly wrong sampler.
+
+Because every sample is a whole `generate()` call, the target is cut to its cheapest form: one sliding-attention layer
+with hash-MoE routing and one Sinkhorn step. The rewindable cache of every layer type is checked exactly by the greedy
+tests in `test_generation.py`.
+"""
+
+import itertools
+from contextlib import nullcontext
+
+import pytest
+import torch
+import transformers.generation.utils as generation_utils
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
+from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+from hf_hyperdflash.testing import OracleProposer, chi_square_p_value, oracle_drafting, tiny_deepseek_v4
+
+VOCAB = 8
+# Two drafted tokens plus a bonus token after the prefill's first one (with 2, generate has no room to draft at all).
+NEW_TOKENS = 4
+# The sliding window (8) fills up inside the first verify step, so rejections rewind past its truncation.
+PROMPT = torch.tensor([[3, 4, 5, 6, 7, 3]])
+# 2,000 samples per case (4 seeds x 500): each is a whole generate() call (~10 ms of CPU on an idle core).
+SEEDS = (0, 1, 2, 3)
+SAMPLES_PER_SEED = 500
+ALPHA = 1e-3  # deterministic seeds; a correct sampler sits far above this, a wrong one far below
+PROCESSED = {"temperature": 0.7, "top_k": 3}
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny_deepseek_v4(
+        seed=0,
+        vocab_size=VOCAB,
+        eos_token_id=None,  # no EOS: every sample has NEW_TOKENS tokens
+        num_hidden_layers=1,
+        layer_types=["sliding_attention"],
+        mlp_layer_types=["hash_moe"],
+        hc_sinkhorn_iters=1,
+    )
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # top token ~0.57 on average, entropy ~1.1 nats
+    return model
+
+
+def exact_distribution(target, settings: dict) -> torch.Tensor:
+    """P(first NEW_TOKENS tokens) for every continuation, flattened row-major; one batched teacher-forced forward."""
+    processors = LogitsProcessorList()
+    if "temperature" in settings:
+        processors.append(TemperatureLogitsWarper(settings["temperature"]))
+    if "top_k" in settings:
+        processors.append(TopKLogitsWarper(settings["top_k"]))
+    prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS - 1)))
+    input_ids = torch.cat([PROMPT.expand(len(prefixes), -1), prefixes], dim=1)
+    with torch.no_grad():
+        logits = target(input_ids).logits[:, PROMPT.shape[1] - 1 :]
+    probs = torch.stack(
+        [processors(input_ids[:, : PROMPT.shape[1] + i], logits[:, i]).softmax(-1) for i in range(NEW_TOKENS)], dim=1
+    )
+    prefix_probs = probs[:, :-1].gather(-1, prefixes.unsqueeze(-1)).squeeze(-1).prod(-1)
+    return (prefix_probs.unsqueeze(-1) * probs[:, -1]).flatten().double()
+
+
+def drafter_for(target, kind: str) -> HyperDFlashForDrafting | DeepseekV4MTPForDrafting:
+    torch.manual_seed(1)
+    if kind == "mtp":
+        return DeepseekV4MTPForDrafting.from_target(target).eval()
+    return HyperDFlashForDrafting.from_target(target, block_size=3, num_hidden_layers=1).eval()
+
+
+def speculative_samples(target, kind: str, settings: dict) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Counts of every continuation over all samples, and the accepted/proposed drafts of every verify step.
+
+    kind "oracle" routes a HyperDFlash drafter's proposals through an `OracleProposer` hinting the greedy continuation.
+    """
+    drafter = drafter_for(target, kind)
+    routing = nullcontext()
+    if kind == "oracle":
+        greedy = target.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+        routing = oracle_drafting(OracleProposer(VOCAB, greedy, corruption=0.2, seed=0))
+    counts = torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64)
+    place_values = VOCAB ** torch.arange(NEW_TOKENS - 1, -1, -1)
+    accepted, proposed = [], []
+    with routing:
+        for seed in SEEDS:
+            torch.manual_seed(seed)
+            for _ in range(SAMPLES_PER_SEED):
+                out = target.generate(
+                    PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, assistant_model=drafter, **settings
+                )
+                counts[int((out[0, PROMPT.shape[1] :] * place_values).sum())] += 1
+                accepted += drafter.last_generation_stats["accepted_per_step"]
+                proposed += drafter.last_generation_stats["proposed_per_step"]
+    return counts, accepted, proposed
+
+
+@pytest.mark.parametrize(
+    "kind, settings",
+    [("hyperdflash", {}), ("mtp", {"temperature": 1.3}), ("oracle", PROCESSED)],
+    ids=["untrained-hyperdflash", "mtp-temperature", "oracle-temperature-top_k"],
+)
+def test_speculative_samples_follow_the_target_distribution(target, kind, settings):
+    probs = exact_distribution(target, settings)
+    counts, accepted, proposed = speculative_samples(target, kind, settings)
+    assert counts.sum() == len(SEEDS) * SAMPLES_PER_SEED
+    assert counts[probs == 0].sum() == 0, "a continuation the target (after top_k) can never produce was sampled"
+    # Every branch of speculative sampling ran: full acceptance (bonus token), partial and zero (residual resampling).
+    outcomes = {"full" if a == p else "zero" if a == 0 else "partial" for a, p in zip(accepted, proposed, strict=True)}
+    assert outcomes == {"full", "partial", "zero"}
+    if kind == "oracle":  # about twice the untrained drafters' rate: the proposals really came from the oracle
+        assert sum(accepted) / sum(proposed) > 0.25
+    p_value = chi_square_p_value(counts, probs)
+    assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"
+
+
+def _resample_rejections_from_target(candidate_input_ids, candidate_logits, candidate_length, new_logits, **_):
+    """A classic bug: after a rejection, sample from the target p instead of the residual norm(max(p - q, 0))."""
+    drafts = candidate_input_ids[0, -candidate_length:]
+    positions = torch.arange(candidate_length)
+    p, q = new_logits[0].softmax(-1), candidate_logits[0].softmax(-1)
+    accepted = torch.rand(candidate_length) <= p[positions, drafts] / q[positions, drafts]
+    num_matches = int(accepted.cumprod(0).sum())
+    next_token = torch.multinomial(p[num_matches], num_samples=1)
+    return torch.cat([drafts[:num_matches], next_token])[None], torch.tensor(num_matches)
+
+
+def test_the_test_rejects_a_subtly_wrong_sampler(target, monkeypatch):
+    """Negative control: same drafter, settings, sample size and statistic as the oracle case above."""
+    monkeypatch.setattr(generation_utils, "_speculative_sampling", _resample_rejections_from_target)
+    counts, _, _ = speculative_samples(target, "oracle", PROCESSED)
+    p_value = chi_square_p_value(counts, exact_distribution(target, PROCESSED))
+    assert p_value < ALPHA, f"the chi-square test failed to detect a biased sampler (p={p_value:.2e})"

@@ -1,0 +1,143 @@
+"""The transformers internals that `hf_hyperdflash.generation` relies on are still there and still behave as assumed.
+
+Speculative decoding runs inside transformers' own `_assisted_decoding`, with our candidate generator swapped in
+per call, and the drafter conditions on the input of the target's `model.hc_head`. A transformers release that
+renames, reorders or reroutes any of these must fail here, by name, rather than in a puzzling generation test.
+"""
+
+import ast
+import inspect
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import transformers.generation.utils as generation_utils
+from packaging.requirements import Requirement
+from transformers import GenerationConfig, GenerationMixin
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead, DeepseekV4PreTrainedModel
+
+from hf_hyperdflash import generation
+from hf_hyperdflash.testing import tiny_deepseek_v4
+
+PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
+
+
+def _called_name(call: ast.Call) -> str | None:
+    """`name` for `name(...)` and for `<something>.name(...)`."""
+    return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+
+
+def _calls(node: ast.AST, name: str) -> list[ast.Call]:
+    """Every call of `name` (a function or a method) inside `node`."""
+    return [call for call in ast.walk(node) if isinstance(call, ast.Call) and _called_name(call) == name]
+
+
+def _keywords(call: ast.Call) -> set[str]:
+    return {keyword.arg for keyword in call.keywords}
+
+
+ASSISTED_DECODING = ast.parse(textwrap.dedent(inspect.getsource(GenerationMixin._assisted_decoding)))
+
+
+def test_transformers_version_is_inside_the_pinned_range():
+    dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    (pin,) = [Requirement(d) for d in dependencies if Requirement(d).name == "transformers"]
+    assert pin.specifier.contains(transformers.__version__), f"transformers {transformers.__version__} vs {pin}"
+
+
+def test_generate_signature_has_what_the_wrapper_binds():
+    parameters = inspect.signature(generation._ORIGINAL_GENERATE).parameters
+    assert {"inputs", "generation_config", "assistant_model", "kwargs"} <= set(parameters)
+    assert parameters["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
+    assert inspect.signature(GenerationMixin.generate) == inspect.signature(generation._ORIGINAL_GENERATE)
+
+
+def test_assisted_decoding_builds_the_candidate_generator_with_keywords_only():
+    """Our per-instance factory is a plain function: it only works if every argument comes by keyword."""
+    (call,) = _calls(ASSISTED_DECODING, "_get_candidate_generator")
+    assert isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+    assert not call.args
+    assert {"generation_config", "logits_processor"} <= _keywords(call)
+
+
+def test_assisted_decoding_passes_model_outputs_when_the_generator_asks_for_them():
+    branches = [
+        node
+        for node in ast.walk(ASSISTED_DECODING)
+        if isinstance(node, ast.If) and getattr(node.test, "attr", None) == "requires_model_outputs"
+    ]
+    calls = [call for branch in branches for statement in branch.body for call in _calls(statement, "get_candidates")]
+    assert len(calls) == 1, "expected one get_candidates call under `if candidate_generator.requires_model_outputs`"
+    (call,) = calls
+    assert [arg.id for arg in call.args] == ["input_ids"]
+    assert _keywords(call) == {"model_kwargs", "model_outputs", "is_first_iteration", "n_last_matches"}
+    ours = inspect.signature(generation.SpeculativeCandidateGenerator.get_candidates).parameters
+    assert _keywords(call) <= set(ours)
+    assert CandidateGenerator.requires_model_outputs is False  # the attribute our generator overrides
+
+
+def test_assisted_decoding_reports_matches_to_the_generator():
+    """`last_generation_stats` counts accepted drafts reported by `update_candidate_strategy`."""
+    (call,) = _calls(ASSISTED_DECODING, "update_candidate_strategy")
+    assert [arg.id for arg in call.args] == ["input_ids", "new_logits", "n_matches"]
+
+
+def test_stateful_guard_is_checked_on_the_instance():
+    """We lift the guard by setting `_is_stateful` on the target instance for one call."""
+    assert "self._is_stateful" in inspect.getsource(GenerationMixin._validate_generation_mode)
+    assert DeepseekV4PreTrainedModel._is_stateful is True
+
+
+def test_speculative_sampling_is_a_module_function_fed_the_drafters_logits():
+    """Sampled drafts are verified against the `candidate_logits` our generator returns (the drafter's processed q);
+    tests/test_sampling.py patches the module-level name to prove its chi-square test has power."""
+    parameters = list(inspect.signature(generation_utils._speculative_sampling).parameters)
+    assert parameters[:4] == ["candidate_input_ids", "candidate_logits", "candidate_length", "new_logits"]
+    (call,) = _calls(ASSISTED_DECODING, "_speculative_sampling")
+    assert isinstance(call.func, ast.Name)
+    assert [arg.id for arg in call.args] == parameters[:4]
+
+
+def test_prepare_generation_config_returns_the_merged_config_and_model_kwargs():
+    model = tiny_deepseek_v4()
+    parameters = inspect.signature(model._prepare_generation_config).parameters
+    assert list(parameters)[0] == "generation_config" and parameters["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
+    generation_config, model_kwargs = model._prepare_generation_config(None, num_beams=3, attention_mask="mask")
+    assert isinstance(generation_config, GenerationConfig)
+    assert generation_config.num_beams == 3 and model_kwargs == {"attention_mask": "mask"}
+    assert model.generation_config.num_beams != 3  # a copy: the model's own config is untouched
+
+
+def test_hc_head_collapses_the_pre_collapse_residual():
+    model = tiny_deepseek_v4()
+    config = model.config
+    hc_head = model.model.hc_head
+    assert isinstance(hc_head, DeepseekV4HyperHead)
+    shapes = {name: tuple(p.shape) for name, p in hc_head.named_parameters()}
+    assert shapes == {
+        "hc_fn": (config.hc_mult, config.hc_mult * config.hidden_size),
+        "hc_base": (config.hc_mult,),
+        "hc_scale": (1,),
+    }
+    captured = []
+    handle = hc_head.register_forward_pre_hook(lambda _, args: captured.append(args[0]))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([[5, 17, 33, 9, 250]])).logits
+    finally:
+        handle.remove()
+    (residual,) = captured
+    assert residual.shape == (1, 5, config.hc_mult, config.hidden_size)
+    with torch.no_grad():  # the residual is all the model still needs: collapse, final norm, lm_head
+        recomputed = model.lm_head(model.model.norm(hc_head(residual)))
+    torch.testing.assert_close(recomputed, logits)
+
+
+@pytest.mark.parametrize("name", ["crop", "activate_past_recording"])
+def test_assisted_decoding_rewinds_through_the_cache_api(name):
+    """The rewindable cache implements exactly these; transformers must still call them."""
+    assert _calls(ASSISTED_DECODING, name)
