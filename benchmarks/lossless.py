@@ -85,11 +85,6 @@ def outcome_counts(result: MethodResult) -> Counter:
     )
 
 
-def record_steps(result: MethodResult, stats: dict) -> None:
-    result.accepted_per_step += stats["accepted_per_step"]
-    result.proposed_per_step += stats["proposed_per_step"]
-
-
 def print_results(results: dict[str, MethodResult]) -> None:
     for name, result in results.items():
         outcomes = outcome_counts(result)
@@ -108,7 +103,7 @@ def token_identical_runs(target, drafter, prompts, settings: dict, args, desc: s
         for name, result in results.items():
             with drafting(name, plain, target.config.vocab_size, args.corruption, args.seed + index):
                 speculative = target.generate(prompt, assistant_model=drafter, **settings)
-            record_steps(result, drafter.last_generation_stats)
+            result.record(drafter.last_generation_stats)
             result.prompts += 1
             result.lossless += int(torch.equal(plain, speculative))
     return results
@@ -153,7 +148,7 @@ def distribution_test(target, drafter, name: str, prompt, settings: dict, args, 
         for _ in range(args.samples):
             out = target.generate(prompt, max_new_tokens=args.sample_tokens, assistant_model=drafter, **settings)
             counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
-            record_steps(result, drafter.last_generation_stats)
+            result.record(drafter.last_generation_stats)
             bar.update(1)
     outside = sum(n for sequence, n in counts.items() if sequence not in exact)
     cells = list(exact)

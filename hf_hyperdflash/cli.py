@@ -1,4 +1,4 @@
-"""`hyperdflash` command line: demo (the quick start), train (a drafter), build-reference (the shipped models)."""
+"""`hyperdflash` command line: demo (the quick start), train and eval (drafters), build-reference (shipped models)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ def _train(args: argparse.Namespace) -> int:
 
     print(f"drafter saved to {run_train(args)}")
     return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .evaluation.command import run_eval
+
+    return run_eval(args)
 
 
 def _build_reference(args: argparse.Namespace) -> int:
@@ -69,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_arguments(train).set_defaults(run=_train)
+
+    from .evaluation.command import __doc__ as eval_doc
+    from .evaluation.command import add_eval_arguments
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="plain decoding, native MTP, vanilla DFlash and HyperDFlash side by side on the same prompts",
+        description=eval_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_eval_arguments(evaluate).set_defaults(run=_eval)
 
     rebuild = commands.add_parser(
         "build-reference", help="retrain the shipped tokenizer, target and native MTP", add_help=False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +44,12 @@ class GenerationStats:
     new_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
     proposed_per_step: list[int] = field(default_factory=list)
+    # Wall time of each verify step (aligned with accepted_per_step) and of its parts; see StepTimer.
+    step_seconds: list[float] = field(default_factory=list)
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+    rollback_seconds: list[float] = field(default_factory=list)
+    prefill_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         steps = len(self.accepted_per_step)
@@ -60,7 +67,87 @@ class GenerationStats:
             "num_draft_tokens": self.num_draft_tokens,
             "accepted_per_step": list(self.accepted_per_step),
             "proposed_per_step": list(self.proposed_per_step),
+            "step_seconds": list(self.step_seconds),
+            "draft_seconds": list(self.draft_seconds),
+            "verify_seconds": list(self.verify_seconds),
+            "rollback_seconds": list(self.rollback_seconds),
+            "prefill_seconds": self.prefill_seconds,
         }
+
+
+def synchronized_clock() -> float:
+    """perf_counter once queued CUDA kernels are done, so a timed part includes its kernels."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+class StepTimer:
+    """Splits each decoding iteration's wall time into drafting, the target forward and the cache rollback.
+
+    An iteration runs from one `get_candidates` call to the next (the last one to the end of `generate`); what
+    the three parts leave over (acceptance, logits processors, feature bookkeeping) is the step's overhead.
+    Iterations that drafted are verify steps and land in `stats`; the first iteration is the prefill.
+    """
+
+    def __init__(self, stats: GenerationStats):
+        self.stats = stats
+        self.start: float | None = None
+        self.forward_start = 0.0
+        self.parts = {"draft": 0.0, "verify": 0.0, "rollback": 0.0}
+        self.iterations = 0
+
+    def _close(self, now: float) -> None:
+        if self.start is None:
+            return
+        if self.parts["draft"] > 0.0:  # the iteration drafted: a verify step
+            self.stats.step_seconds.append(now - self.start)
+            self.stats.draft_seconds.append(self.parts["draft"])
+            self.stats.verify_seconds.append(self.parts["verify"])
+            self.stats.rollback_seconds.append(self.parts["rollback"])
+        elif self.iterations == 1:
+            self.stats.prefill_seconds = now - self.start
+        self.start = None
+
+    def start_iteration(self) -> None:
+        now = synchronized_clock()
+        self._close(now)
+        self.start, self.iterations = now, self.iterations + 1
+        self.parts = dict.fromkeys(self.parts, 0.0)
+
+    @contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        start = synchronized_clock()
+        try:
+            yield
+        finally:
+            self.parts[part] += synchronized_clock() - start
+
+    def _forward_started(self, *_) -> None:
+        self.forward_start = synchronized_clock()
+
+    def _forward_done(self, *_) -> None:
+        self.parts["verify"] += synchronized_clock() - self.forward_start
+
+    @contextmanager
+    def attach(self, model: PreTrainedModel, cache: RewindableDeepseekV4Cache) -> Iterator[None]:
+        """Time `model`'s forwards (verify) and `cache.crop` (rollback) while `generate` runs."""
+        hooks = [model.register_forward_pre_hook(self._forward_started)]
+        hooks.append(model.register_forward_hook(self._forward_done))
+        crop = cache.crop
+
+        def timed_crop(*args, **kwargs):
+            with self.timed("rollback"):
+                return crop(*args, **kwargs)
+
+        cache.crop = timed_crop
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            del cache.crop
+            self._close(synchronized_clock())
 
 
 class TokenPicker:
@@ -195,8 +282,9 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         max_length: int,
         pick: TokenPicker,
         stats: GenerationStats,
+        timer: StepTimer,
     ):
-        self.proposer, self.capture, self.pick, self.stats = proposer, capture, pick, stats
+        self.proposer, self.capture, self.pick, self.stats, self.timer = proposer, capture, pick, stats, timer
         self.num_draft_tokens, self.max_length = num_draft_tokens, max_length
         self.prompt_length: int | None = None
         self.consumed = 0  # leading positions whose features were taken (fed to the drafter or pending)
@@ -212,6 +300,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         n_last_matches: int = 0,
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        self.timer.start_iteration()
         self.stats.target_forwards += 1
         self.last_proposed = 0
         if is_first_iteration:
@@ -231,9 +320,10 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         context = self.pending
         self.pending = None
         positions = torch.arange(input_ids.shape[1] - 1 - context.shape[1], input_ids.shape[1] - 1)[None]
-        tokens, logits = self.proposer.propose(
-            context, positions.to(input_ids.device), input_ids, num_tokens, self.pick
-        )
+        with self.timer.timed("draft"):
+            tokens, logits = self.proposer.propose(
+                context, positions.to(input_ids.device), input_ids, num_tokens, self.pick
+            )
         self.last_proposed = num_tokens
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1), logits
 
@@ -349,16 +439,19 @@ def speculative_generate(target_model: PreTrainedModel, drafter: PreTrainedModel
         proposer = MTPProposer(drafter, target, num_draft_tokens)
 
     kwargs = bound.arguments.pop("kwargs", {})
-    kwargs.setdefault("past_key_values", target.make_cache(max_draft=num_draft_tokens))
+    if kwargs.get("past_key_values") is None:
+        kwargs["past_key_values"] = target.make_cache(max_draft=num_draft_tokens)
+    cache = kwargs["past_key_values"]
+    timer = StepTimer(stats)
     with target.capture(proposer.feature_layers) as capture:
 
         def factory(generation_config, logits_processor, **_) -> SpeculativeCandidateGenerator:
             pick = TokenPicker(logits_processor, bool(generation_config.do_sample))
             return SpeculativeCandidateGenerator(
-                proposer, capture, num_draft_tokens, generation_config.max_length, pick, stats
+                proposer, capture, num_draft_tokens, generation_config.max_length, pick, stats, timer
             )
 
-        with _speculative_call(target_model, factory):
+        with _speculative_call(target_model, factory), timer.attach(target_model, cache):
             arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
             output = _ORIGINAL_GENERATE(target_model, **arguments, **kwargs)
     drafter.last_generation_stats = stats.as_dict()

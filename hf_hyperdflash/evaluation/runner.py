@@ -1,40 +1,83 @@
-"""Run a drafter against plain decoding on the same prompts: losslessness, tau, acceptance, speed.
+"""Decode the same prompts with plain decoding and speculative methods, interleaved, and measure every method.
 
-Plain and speculative runs alternate per prompt and repeat, so machine noise lands on both; the
-speedup is the median over prompts of (plain seconds / speculative seconds) of each prompt's
-repeats' medians.
+For each prompt and repeat every method decodes once, in an order rotated from one repeat to the next so that no
+method always runs first (warm caches, CPU clock ramps), and all of them start from the same seed. Speed is
+compared per prompt: each method's median tokens/s over the repeats, divided by plain decoding's. Greedy outputs
+are compared with plain decoding token by token; sampled ones are not (a speculative run draws other random
+numbers, so only the distribution can match, which `benchmarks/lossless.py` tests).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
+
+from ..generation import synchronized_clock
+
+LATENCY_PARTS = ("draft", "verify", "rollback")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A way to decode: plain (`drafter` None) or speculative with a drafter.
+
+    `num_draft_tokens` overrides the drafter's `generation_config.num_assistant_tokens` (native MTP's depth k).
+    `context`, given the prompt ids, returns a context entered around each of this method's `generate` calls
+    (outside the timed region): a hook for test oracles and fault injection.
+    """
+
+    name: str
+    drafter: PreTrainedModel | None = None
+    num_draft_tokens: int | None = None
+    context: Callable[[torch.LongTensor], AbstractContextManager] | None = None
 
 
 @dataclass
 class MethodResult:
+    """What one method did on a list of prompts, pooled over prompts and repeats."""
+
     name: str
     prompts: int = 0
-    lossless: int = 0
+    compared: int = 0  # prompts whose greedy outputs were compared with plain decoding
+    lossless: int = 0  # of those, token-identical to plain decoding in every repeat
+    num_draft_tokens: int = 0
     new_tokens: int = 0
     target_forwards: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
     proposed_per_step: list[int] = field(default_factory=list)
-    speed_ratios: list[float] = field(default_factory=list)
-    plain_tokens_per_second: list[float] = field(default_factory=list)
-    tokens_per_second: list[float] = field(default_factory=list)
+    latency_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("step", *LATENCY_PARTS), 0.0))
+    timed_steps: int = 0
+    tokens_per_second: list[float] = field(default_factory=list)  # per prompt: median over repeats
+    speed_ratios: list[float] = field(default_factory=list)  # per prompt: tokens/s over plain decoding's
+    runs: list[dict] = field(default_factory=list)  # per prompt: tokens, seconds, identical
+
+    def record(self, stats: dict) -> None:
+        """Add the `last_generation_stats` of one `generate` call."""
+        self.num_draft_tokens = stats["num_draft_tokens"]
+        self.new_tokens += stats["new_tokens"]
+        self.target_forwards += stats["target_forwards"]
+        self.accepted_per_step += stats["accepted_per_step"]
+        self.proposed_per_step += stats["proposed_per_step"]
+        self.timed_steps += len(stats["step_seconds"])
+        for part in self.latency_seconds:
+            self.latency_seconds[part] += sum(stats[f"{part}_seconds"])
 
     @property
     def tau(self) -> float:
+        """Mean accepted length per verify step, counting the bonus token."""
         steps = len(self.accepted_per_step)
-        return (sum(self.accepted_per_step) + steps) / steps if steps else float("nan")
+        return (sum(self.accepted_per_step) + steps) / steps if steps else math.nan
 
     @property
     def acceptance_per_position(self) -> list[float]:
+        """Share of the steps that drafted position k whose drafts were accepted up to k."""
         longest = max(self.proposed_per_step, default=0)
         rates = []
         for k in range(1, longest + 1):
@@ -44,50 +87,154 @@ class MethodResult:
 
     @property
     def forwards_per_token(self) -> float:
-        return self.target_forwards / self.new_tokens if self.new_tokens else float("nan")
+        return self.target_forwards / self.new_tokens if self.new_tokens else math.nan
+
+    @property
+    def median_tokens_per_second(self) -> float:
+        return statistics.median(self.tokens_per_second) if self.tokens_per_second else math.nan
 
     @property
     def speedup(self) -> float:
-        return statistics.median(self.speed_ratios) if self.speed_ratios else float("nan")
+        return statistics.median(self.speed_ratios) if self.speed_ratios else math.nan
+
+    @property
+    def latency_ms(self) -> dict[str, float]:
+        """Mean milliseconds per verify step: the whole step, each timed part, and the rest ("other")."""
+        if not self.timed_steps:
+            return {}
+        per_step = {part: 1000 * seconds / self.timed_steps for part, seconds in self.latency_seconds.items()}
+        per_step["other"] = per_step["step"] - sum(per_step[part] for part in LATENCY_PARTS)
+        return per_step
+
+    def as_dict(self) -> dict:
+        """Every summary number (NaN as None, so the JSON stays standard) and the raw per-step/prompt data."""
+
+        def finite(value: float) -> float | None:
+            return None if math.isnan(value) else value
+
+        return {
+            "name": self.name,
+            "prompts": self.prompts,
+            "compared": self.compared,
+            "lossless": self.lossless,
+            "num_draft_tokens": self.num_draft_tokens,
+            "tau": finite(self.tau),
+            "acceptance_per_position": self.acceptance_per_position,
+            "forwards_per_token": finite(self.forwards_per_token),
+            "tokens_per_second": finite(self.median_tokens_per_second),
+            "speedup": finite(self.speedup),
+            "latency_ms": self.latency_ms,
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "timed_steps": self.timed_steps,
+            "accepted_per_step": self.accepted_per_step,
+            "proposed_per_step": self.proposed_per_step,
+            "speed_ratios": self.speed_ratios,
+            "runs": self.runs,
+        }
 
 
-def _timed_generate(target: PreTrainedModel, input_ids: torch.LongTensor, **settings) -> tuple[float, torch.Tensor]:
-    start = time.perf_counter()
-    out = target.generate(input_ids, **settings)
-    return time.perf_counter() - start, out
+def decoding_settings(temperature: float, max_new_tokens: int) -> dict:
+    """Greedy at T=0; plain sampling otherwise (no top-k/top-p, whatever the model's generation config says)."""
+    if temperature == 0:
+        return {"max_new_tokens": max_new_tokens, "do_sample": False}
+    return {"max_new_tokens": max_new_tokens, "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
+@contextmanager
+def _draft_length(drafter: PreTrainedModel | None, num_draft_tokens: int | None) -> Iterator[None]:
+    if drafter is None or num_draft_tokens is None:
+        yield
+        return
+    config = drafter.generation_config
+    original, config.num_assistant_tokens = config.num_assistant_tokens, num_draft_tokens
+    try:
+        yield
+    finally:
+        config.num_assistant_tokens = original
+
+
+@contextmanager
+def _counting_forwards(model: PreTrainedModel) -> Iterator[list[int]]:
+    """Counts `model`'s forward calls (plain decoding's target forwards)."""
+    count = [0]
+    handle = model.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    try:
+        yield count
+    finally:
+        handle.remove()
+
+
+def _decode(
+    target: PreTrainedModel, method: Method, input_ids: torch.LongTensor, seed: int, settings: dict
+) -> tuple[torch.Tensor, float, dict]:
+    """One timed `generate` call: (output ids, seconds, generation stats)."""
+    assistant = {"assistant_model": method.drafter} if method.drafter is not None else {}
+    context = method.context(input_ids) if method.context is not None else nullcontext()
+    with context, _draft_length(method.drafter, method.num_draft_tokens), _counting_forwards(target) as forwards:
+        torch.manual_seed(seed)
+        start = synchronized_clock()
+        output = target.generate(input_ids, **assistant, **settings)
+        seconds = synchronized_clock() - start
+    if method.drafter is not None:
+        return output, seconds, method.drafter.last_generation_stats
+    return output, seconds, _plain_stats(output.shape[1] - input_ids.shape[1], forwards[0])
+
+
+def _plain_stats(new_tokens: int, target_forwards: int) -> dict:
+    """Plain decoding's run in the shape of `last_generation_stats`: no drafts, no verify steps."""
+    per_step = ["accepted_per_step", "proposed_per_step", "step_seconds", *(f"{p}_seconds" for p in LATENCY_PARTS)]
+    no_steps = {key: [] for key in per_step}
+    return {"num_draft_tokens": 0, "new_tokens": new_tokens, "target_forwards": target_forwards, **no_steps}
 
 
 @torch.no_grad()
-def compare_with_plain(
-    name: str,
+def warm_up(target: PreTrainedModel, methods: list[Method], input_ids: torch.LongTensor) -> None:
+    """One short untimed run per method, so one-off costs (allocations, lazy init) stay out of the timings."""
+    for method in methods:
+        _decode(target, method, input_ids, seed=0, settings=decoding_settings(0, 8))
+
+
+@torch.no_grad()
+def run_methods(
     target: PreTrainedModel,
-    drafter: PreTrainedModel,
+    methods: list[Method],
     prompts: list[torch.LongTensor],
+    temperature: float = 0.0,
     max_new_tokens: int = 128,
     repeats: int = 1,
-    progress=None,
-) -> MethodResult:
-    """Greedy decoding of every prompt with and without `drafter`; counts token-identical outputs."""
-    result = MethodResult(name=name)
-    settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
-    for input_ids in prompts:
-        plain_times, spec_times = [], []
-        for _ in range(repeats):
-            seconds, plain = _timed_generate(target, input_ids, **settings)
-            plain_times.append(seconds)
-            seconds, speculative = _timed_generate(target, input_ids, assistant_model=drafter, **settings)
-            spec_times.append(seconds)
-        stats = drafter.last_generation_stats
-        new_tokens = plain.shape[1] - input_ids.shape[1]
-        result.prompts += 1
-        result.lossless += int(torch.equal(plain, speculative))
-        result.new_tokens += stats["new_tokens"]
-        result.target_forwards += stats["target_forwards"]
-        result.accepted_per_step += stats["accepted_per_step"]
-        result.proposed_per_step += stats["proposed_per_step"]
-        result.speed_ratios.append(statistics.median(plain_times) / statistics.median(spec_times))
-        result.plain_tokens_per_second.append(new_tokens / statistics.median(plain_times))
-        result.tokens_per_second.append(new_tokens / statistics.median(spec_times))
-        if progress is not None:
-            progress.update(1)
-    return result
+    seed: int = 0,
+    progress: tqdm | None = None,
+) -> list[MethodResult]:
+    """Decode every prompt with every method (`methods[0]` must be plain decoding), `repeats` times each."""
+    if methods[0].drafter is not None:
+        raise ValueError(f"The first method must be plain decoding (no drafter), got {methods[0].name!r}.")
+    results = [MethodResult(name=method.name) for method in methods]
+    settings = decoding_settings(temperature, max_new_tokens)
+    greedy = temperature == 0
+    for index, input_ids in enumerate(prompts):
+        outputs: list[list[torch.Tensor]] = [[] for _ in methods]
+        runs = [{"prompt_tokens": input_ids.shape[1], "new_tokens": [], "seconds": []} for _ in methods]
+        for repeat in range(repeats):
+            shift = repeat % len(methods)
+            for m in [*range(shift, len(methods)), *range(shift)]:
+                run_seed = seed * 1_000_003 + index * repeats + repeat  # the same for every method
+                output, seconds, stats = _decode(target, methods[m], input_ids, run_seed, settings)
+                results[m].record(stats)
+                outputs[m].append(output)
+                runs[m]["new_tokens"].append(stats["new_tokens"])
+                runs[m]["seconds"].append(seconds)
+                if progress is not None:
+                    progress.update(1)
+        speeds = [statistics.median(n / s for n, s in zip(r["new_tokens"], r["seconds"], strict=True)) for r in runs]
+        for m, result in enumerate(results):
+            result.prompts += 1
+            result.tokens_per_second.append(speeds[m])
+            result.speed_ratios.append(speeds[m] / speeds[0])
+            if greedy:
+                identical = all(torch.equal(output, outputs[0][0]) for output in outputs[m])
+                result.compared += 1
+                result.lossless += int(identical)
+                runs[m]["identical_to_plain"] = identical
+            result.runs.append(runs[m])
+    return results

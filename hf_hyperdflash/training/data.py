@@ -38,7 +38,7 @@ def _up_to_first_user_turn(messages: Sequence[dict[str, str]]) -> Messages | Non
     return None
 
 
-def _prompt_from_record(record: dict) -> Messages | None:
+def prompt_from_record(record: dict) -> Messages | None:
     if "messages" in record:
         return _up_to_first_user_turn(record["messages"])
     if "conversations" in record:  # ShareGPT layout on the Hub: {"from": "human", "value": ...}
@@ -52,7 +52,7 @@ def _prompt_from_record(record: dict) -> Messages | None:
     return None
 
 
-def _jsonl_records(path: Path) -> Iterable[dict]:
+def jsonl_records(path: Path) -> Iterable[dict]:
     with path.open() as handle:
         for number, line in enumerate(handle, 1):
             if line.strip():
@@ -88,14 +88,14 @@ def load_prompts(
         conversations = load_conversations(split)
         records: Iterable[dict] = ({"messages": list(c.messages)} for c in conversations)
     elif Path(source).is_file():
-        records = _jsonl_records(Path(source))
+        records = jsonl_records(Path(source))
     elif source.endswith((".jsonl", ".json")):
         raise ValueError(f"Prompt file {source} does not exist.")
     else:
         records = _hub_records(source, split)
     prompts = []
     for record in records:
-        prompt = _prompt_from_record(record)
+        prompt = prompt_from_record(record)
         if prompt is not None and max_chars is not None and sum(len(m["content"]) for m in prompt) > max_chars:
             continue
         if prompt is not None:

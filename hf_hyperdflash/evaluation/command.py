@@ -1,0 +1,256 @@
+"""`hyperdflash eval`: plain decoding, native MTP, vanilla DFlash and HyperDFlash on the same target and prompts.
+
+    hyperdflash eval --output-dir runs/eval --datasets humaneval sharegpt --num-prompts 10 --repeats 3
+    hyperdflash eval --output-dir runs/ablation --mtp-steps 6 --no-reference-drafters --temperatures 0 \\
+        --drafter hyperdflash=runs/hdf/drafter --drafter dense=runs/dense/drafter --drafter no_kl=runs/kl0/drafter
+
+For each prompt set, chat mode (--modes) and temperature (--temperatures), every method decodes every prompt
+--repeats times, interleaved per prompt; tau, acceptance per draft position, target forwards per token, tokens/s,
+speedup over plain decoding (medians) and a per-step latency split are reported. Greedy (T=0) outputs must be
+token-identical to plain decoding: the command exits with status 1 if any differs. T=1 samples with fixed seeds
+per prompt and repeat (losslessness in distribution is benchmarks/lossless.py's job).
+
+Defaults: the shipped reference target, tokenizer, native MTP and drafters (with --target: only the models
+named by flags); a shipped model that is not installed is skipped with a printed note. Prompt sets: humaneval and
+sharegpt (held-out) work offline; gsm8k, math500, aime25, mbpp, livecodebench and mtbench need `datasets` and
+network access, or a local JSONL file as NAME=PATH (formats in hf_hyperdflash.evaluation.datasets).
+Output: OUTPUT_DIR/report.md (also printed), results.json, acceptance.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from .. import reference
+from ..training.trainer import load_target
+from .datasets import PROMPT_SETS, load_prompt_set
+from .harness import build_methods, evaluate, reference_drafter_dirs, reference_mtp_dir
+from .report import REPORT_FILES, machine_description, write_report
+
+MODES = {"non-thinking": False, "thinking": True}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _named(text: str) -> tuple[str, str]:
+    name, separator, value = text.partition("=")
+    if not separator or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a temperature >= 0, got {text}")
+    return value
+
+
+def _draft_length(text: str) -> tuple[str, int]:
+    name, count = _named(text)
+    return name, _positive_int(count)
+
+
+def _dataset(text: str) -> tuple[str, str | None]:
+    name, _, path = text.partition("=")
+    if name not in PROMPT_SETS:
+        raise argparse.ArgumentTypeError(f"unknown prompt set {name!r}; choose from {sorted(PROMPT_SETS)}")
+    return name, path or None
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every `hyperdflash eval` option, grouped."""
+    models = parser.add_argument_group("models")
+    models.add_argument("--target", help="Path or Hub id of the DeepSeek-V4 target. Default: the shipped reference.")
+    models.add_argument("--tokenizer", help="Tokenizer path or Hub id. Default: the reference's, or the target's.")
+    models.add_argument(
+        "--mtp",
+        default="auto",
+        help="Native MTP module directory, or 'none'. Default (auto): the shipped one with the shipped target.",
+    )
+    models.add_argument(
+        "--mtp-steps",
+        type=_positive_int,
+        nargs="+",
+        default=[1, 2, 3, 4, 5, 6],
+        help="MTP draft depths k, one method each (default: %(default)s).",
+    )
+    models.add_argument(
+        "--drafter",
+        type=_named,
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="A saved drafter to evaluate under NAME (repeatable): ablations are more drafters in the same table.",
+    )
+    models.add_argument(
+        "--reference-drafters",
+        action=argparse.BooleanOptionalAction,
+        help="Also evaluate the shipped vanilla_dflash and hyperdflash drafters. Default: only with the shipped "
+        "target.",
+    )
+    models.add_argument(
+        "--draft-tokens",
+        type=_draft_length,
+        action="append",
+        default=[],
+        metavar="NAME=K",
+        help="Draft K tokens per step with drafter NAME (default: its generation config, block_size - 1).",
+    )
+    models.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help="dtype of every model (default: %(default)s)."
+    )
+    models.add_argument("--device", default=None, help="Device of every model. Default: cuda if available, else cpu.")
+    models.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default).")
+
+    prompts = parser.add_argument_group("prompts")
+    prompts.add_argument(
+        "--datasets",
+        type=_dataset,
+        nargs="+",
+        default=[("humaneval", None), ("sharegpt", None)],
+        metavar="NAME[=PATH]",
+        help=f"Prompt sets, each optionally from a local JSONL file; choose from {sorted(PROMPT_SETS)} "
+        "(default: humaneval sharegpt).",
+    )
+    prompts.add_argument(
+        "--num-prompts", type=_positive_int, default=10, help="Prompts per set (default: %(default)s)."
+    )
+    prompts.add_argument(
+        "--max-prompt-chars",
+        type=_positive_int,
+        default=4000,
+        help="Cut each prompt to this many characters (default: %(default)s).",
+    )
+    prompts.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(MODES),
+        help="Chat modes (the template's enable_thinking) (default: both).",
+    )
+
+    decoding = parser.add_argument_group("decoding")
+    decoding.add_argument(
+        "--temperatures",
+        type=_temperature,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="0: greedy, checked lossless; > 0: sampling with fixed seeds (default: 0 1).",
+    )
+    decoding.add_argument(
+        "--max-new-tokens", type=_positive_int, default=128, help="Tokens per reply (default: %(default)s)."
+    )
+    decoding.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="Timed runs per prompt and method; medians are reported (default: %(default)s).",
+    )
+    decoding.add_argument("--seed", type=int, default=0, help="Base of the per-prompt/repeat sampling seeds.")
+
+    parser.add_argument(
+        "--output-dir", type=Path, required=True, help="Where report.md, results.json, acceptance.png go."
+    )
+    return parser
+
+
+def _models(args: argparse.Namespace, notes: list[str]) -> tuple[str, str, Path | None, dict[str, Path]]:
+    """(target, tokenizer, MTP dir or None, named drafter dirs), with the defaults resolved: the shipped models
+    go with the shipped target only (they were trained for it)."""
+    shipped_target = args.target is None
+    if shipped_target:
+        try:
+            target, tokenizer = str(reference.target_path()), str(reference.tokenizer_path())
+        except FileNotFoundError as error:
+            raise ValueError(f"{error} Or pass --target.") from error
+    else:
+        target, tokenizer = args.target, args.target
+    if args.mtp == "auto" and shipped_target:
+        mtp = reference_mtp_dir(notes)
+    elif args.mtp in ("auto", "none"):
+        mtp = None
+        notes.append(
+            "no native MTP (--mtp none)" if args.mtp == "none" else "no native MTP: pass --mtp DIR for --target"
+        )
+    else:
+        mtp = Path(args.mtp)
+    with_reference = shipped_target if args.reference_drafters is None else args.reference_drafters
+    drafters = reference_drafter_dirs(notes) if with_reference else {}
+    drafters |= {name: Path(path) for name, path in args.drafter}
+    return target, args.tokenizer or tokenizer, mtp, drafters
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Run the evaluation, write and print the report; 1 if a greedy output differs from plain decoding, else 0."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    notes: list[str] = []
+    target_path, tokenizer_path, mtp_dir, drafter_dirs = _models(args, notes)
+    for note in notes:
+        print(f"note: {note}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype]
+    names = [name for name, _ in args.datasets]
+    if len(set(names)) < len(names):
+        raise ValueError(f"Give each prompt set once in --datasets, got {names}.")
+    prompt_sets = {
+        name: load_prompt_set(name, path, args.num_prompts, args.max_prompt_chars) for name, path in args.datasets
+    }
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    target = load_target(target_path, device, args.dtype)
+    mtp_steps = args.mtp_steps if mtp_dir else []
+    methods = build_methods(target, mtp_dir, mtp_steps, drafter_dirs, dict(args.draft_tokens), dtype)
+    results = evaluate(
+        target,
+        tokenizer,
+        methods,
+        prompt_sets,
+        args.temperatures,
+        [MODES[mode] for mode in args.modes],
+        args.max_new_tokens,
+        args.repeats,
+        args.seed,
+    )
+    run = {
+        "command": shlex.join(sys.orig_argv),
+        "machine": machine_description(),
+        "target": target_path,
+        "tokenizer": tokenizer_path,
+        "methods": [method.name for method in methods],
+        "mtp": str(mtp_dir) if mtp_dir else None,
+        "drafters": {name: str(path) for name, path in drafter_dirs.items()},
+        "prompt_sets": {name: len(chats) for name, chats in prompt_sets.items()},
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "device": device,
+        "notes": notes,
+    }
+    print(write_report(results, run, args.output_dir))
+    print(f"written: {', '.join(str(args.output_dir / name) for name in REPORT_FILES.values())}")
+    return 1 if any(result.not_lossless for result in results) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="hyperdflash eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    return run_eval(add_eval_arguments(parser).parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

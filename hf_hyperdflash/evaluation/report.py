@@ -1,0 +1,176 @@
+"""The evaluation report: a paper-style Markdown table per setting, a JSON file with everything, an acceptance plot.
+
+Markdown columns: tau (mean accepted length per verify step, bonus token included), acceptance at each draft
+position k (the share of steps that drafted position k whose drafts were all accepted up to k), target forwards
+per generated token, median tokens/s, speedup (median over prompts of tokens/s over plain decoding's), and
+lossless (greedy outputs token-identical to plain decoding, N/N prompts). A second table splits the mean verify
+step into drafting, the target's verify forward, the cache rollback and the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+
+from .harness import SettingResult
+from .runner import LATENCY_PARTS, MethodResult
+
+REPORT_FILES = {"markdown": "report.md", "json": "results.json", "plot": "acceptance.png"}
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_description() -> dict[str, str | int | None]:
+    """What the timings ran on: CPU model and cores, torch threads, GPU, library versions."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "available_cores": available,
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _number(value: float, pattern: str = "{:.2f}") -> str:
+    return "–" if value is None or math.isnan(value) else pattern.format(value)
+
+
+def _lossless(result: MethodResult) -> str:
+    if not result.compared:
+        return "n/a (sampled)"
+    mark = "" if result.lossless == result.compared else " ✗"
+    return f"{result.lossless}/{result.compared}{mark}"
+
+
+def _method_table(results: list[MethodResult]) -> list[str]:
+    positions = max((len(result.acceptance_per_position) for result in results), default=0)
+    header = ["method", "k", "tau", *(f"acc@{k}" for k in range(1, positions + 1))]
+    header += ["fwd/token", "tok/s", "speedup", "lossless"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for result in results:
+        acceptance = result.acceptance_per_position
+        cells = [result.name, str(result.num_draft_tokens or "–"), _number(result.tau)]
+        cells += [_number(acceptance[k]) if k < len(acceptance) else "–" for k in range(positions)]
+        cells += [_number(result.forwards_per_token), _number(result.median_tokens_per_second, "{:.1f}")]
+        cells += [_number(result.speedup, "{:.2f}x"), _lossless(result)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _latency_table(results: list[MethodResult]) -> list[str]:
+    parts = [*LATENCY_PARTS, "other"]
+    lines = ["| method | ms/step | " + " | ".join(parts) + " |", "|" + "---|" * (len(parts) + 2)]
+    for result in results:
+        latency = result.latency_ms
+        if not latency:
+            continue
+        shares = [f"{latency[p]:.2f} ({100 * latency[p] / latency['step']:.0f}%)" for p in parts]
+        lines.append(f"| {result.name} | {latency['step']:.2f} | " + " | ".join(shares) + " |")
+    return lines
+
+
+def markdown_report(results: list[SettingResult], run: dict) -> str:
+    """The report as Markdown: how it was run, then one method table and one latency table per setting."""
+    machine = run["machine"]
+    drafters = ", ".join(f"{name} ({path})" for name, path in run["drafters"].items())
+    lines = [
+        "# HyperDFlash evaluation",
+        "",
+        f"Command: `{run['command']}`",
+        "",
+        f"Machine: {machine['cpu']}, {machine['logical_cores']} logical cores ({machine['available_cores']} "
+        f"available), torch threads {machine['torch_threads']}, GPU {machine['gpu'] or 'none'}; "
+        f"torch {machine['torch']}, transformers {machine['transformers']}, Python {machine['python']}.",
+        "",
+        f"Target: {run['target']}. Native MTP: {run['mtp'] or 'none'}. Drafters: {drafters or 'none'}.",
+        "",
+        f"Methods: {', '.join(run['methods'])}. Up to {run['max_new_tokens']} new tokens, {run['repeats']} repeat(s) "
+        f"per prompt and method, seed {run['seed']}, dtype {run['dtype']}, device {run['device']}.",
+    ]
+    if run["notes"]:
+        lines += ["", "Notes:", *(f"- {note}" for note in run["notes"])]
+    for result in results:
+        plain = result.methods[0]
+        lines += ["", f"## {result.setting.label} ({plain.prompts} prompts)", "", *_method_table(result.methods)]
+        if any(method.latency_ms for method in result.methods):
+            plain_ms = 1000 / plain.median_tokens_per_second
+            lines += ["", f"Mean verify step (ms, share); plain decoding: {plain_ms:.2f} ms per token.", ""]
+            lines += _latency_table(result.methods)
+    failures = [f"{name} ({r.setting.label})" for r in results for name in r.not_lossless]
+    verdict = f"NOT LOSSLESS: {', '.join(failures)}" if failures else "every greedy output equals plain decoding"
+    lines += ["", f"Lossless check (T=0): {verdict}.", ""]
+    return "\n".join(lines)
+
+
+def results_json(results: list[SettingResult], run: dict) -> dict:
+    return {
+        "run": run,
+        "settings": [
+            {
+                "dataset": r.setting.dataset,
+                "temperature": r.setting.temperature,
+                "thinking": r.setting.thinking,
+                "methods": [method.as_dict() for method in r.methods],
+            }
+            for r in results
+        ],
+    }
+
+
+def plot_acceptance(results: list[SettingResult], path: Path) -> None:
+    """Acceptance per draft position, one line per speculative method, one panel per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    columns = min(len(results), 2)
+    rows = math.ceil(len(results) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
+    for axis, result in zip(axes.flat, results, strict=False):
+        for method in result.methods:
+            acceptance = method.acceptance_per_position
+            if acceptance:
+                axis.plot(
+                    range(1, len(acceptance) + 1), acceptance, marker="o", label=f"{method.name} (τ={method.tau:.2f})"
+                )
+        axis.set(title=result.setting.label, xlabel="draft position k", ylabel="acceptance", ylim=(-0.02, 1.02))
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    for axis in list(axes.flat)[len(results) :]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_report(results: list[SettingResult], run: dict, output_dir: str | Path) -> str:
+    """Write report.md, results.json and acceptance.png to `output_dir`; return the Markdown."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    markdown = markdown_report(results, run)
+    (output_dir / REPORT_FILES["markdown"]).write_text(markdown)
+    (output_dir / REPORT_FILES["json"]).write_text(json.dumps(results_json(results, run), indent=1, allow_nan=False))
+    plot_acceptance(results, output_dir / REPORT_FILES["plot"])
+    return markdown

@@ -1,0 +1,136 @@
+"""`hyperdflash eval` end to end on a saved tiny target with its own tiny chat tokenizer, plus --help and defaults."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting, reference
+from hf_hyperdflash.cache import RewindableDeepseekV4Cache
+from hf_hyperdflash.evaluation import command
+from hf_hyperdflash.evaluation.report import REPORT_FILES
+from hf_hyperdflash.testing import tiny_deepseek_v4
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|><think>"
+    "{% if not enable_thinking | default(false) %}</think>{% endif %}{% endif %}"
+)
+
+
+def tiny_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level, one token per byte (264 ids with the specials), with a chat template that knows thinking."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_models")
+    tokenizer = tiny_chat_tokenizer()
+    target = tiny_deepseek_v4(seed=0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    torch.manual_seed(1)
+    HyperDFlashForDrafting.from_target(target, block_size=4).save_pretrained(root / "hyperdflash")
+    DeepseekV4MTPForDrafting.from_target(target).save_pretrained(root / "mtp")
+    return root
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return command.add_eval_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        command.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "hyperdflash eval" in capsys.readouterr().out
+    parser = command.add_eval_arguments(argparse.ArgumentParser())
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+
+
+def test_flags_are_checked_when_parsed():
+    for bad in (["--drafter", "nodir"], ["--datasets", "gsm9k"], ["--repeats", "0"], ["--temperatures", "-1"]):
+        with pytest.raises(SystemExit):
+            parse([*bad, "--output-dir", "out"])
+    args = parse(["--output-dir", "out", "--datasets", "gsm8k=x.jsonl", "humaneval", "--draft-tokens", "a=3"])
+    assert args.datasets == [("gsm8k", "x.jsonl"), ("humaneval", None)] and args.draft_tokens == [("a", 3)]
+
+
+def test_missing_shipped_models_are_skipped_with_a_note(monkeypatch, tmp_path):
+    def missing(*_):
+        raise FileNotFoundError("not installed")
+
+    monkeypatch.setattr(reference, "target_path", lambda: tmp_path / "target")
+    monkeypatch.setattr(reference, "tokenizer_path", lambda: tmp_path / "tokenizer")
+    monkeypatch.setattr(reference, "mtp_path", missing)
+    monkeypatch.setattr(
+        reference, "drafter_path", lambda kind: tmp_path / kind if kind == "hyperdflash" else missing()
+    )
+    notes = []
+    _, _, mtp, drafters = command._models(parse(["--output-dir", "out"]), notes)
+    assert mtp is None and drafters == {"hyperdflash": tmp_path / "hyperdflash"}
+    assert notes == [
+        "skipped mtp: the shipped reference mtp is not installed",
+        "skipped vanilla_dflash: the shipped reference vanilla_dflash is not installed",
+    ]
+    notes.clear()
+    _, _, mtp, drafters = command._models(parse(["--output-dir", "out", "--target", "t"]), notes)
+    assert mtp is None and drafters == {} and notes == ["no native MTP: pass --mtp DIR for --target"]
+
+
+def _eval_args(model_dirs, output_dir, *extra: str) -> argparse.Namespace:
+    return parse(
+        [
+            "--target", str(model_dirs / "target"),
+            "--mtp", str(model_dirs / "mtp"),
+            "--mtp-steps", "2",
+            "--drafter", f"hyperdflash={model_dirs / 'hyperdflash'}",
+            "--datasets", f"gsm8k={FIXTURES / 'gsm8k.jsonl'}",
+            "--num-prompts", "2",
+            "--max-prompt-chars", "60",
+            "--max-new-tokens", "6",
+            "--repeats", "1",
+            "--output-dir", str(output_dir),
+            *extra,
+        ]
+    )  # fmt: skip
+
+
+def test_end_to_end_run_writes_the_report_and_passes(model_dirs, tmp_path, capsys):
+    assert command.run_eval(_eval_args(model_dirs, tmp_path)) == 0
+    printed = capsys.readouterr().out
+    assert "| hyperdflash | 3 |" in printed and "| mtp-k2 | 2 |" in printed
+    assert "every greedy output equals plain decoding" in printed
+    assert all((tmp_path / name).exists() for name in REPORT_FILES.values())
+    data = json.loads((tmp_path / REPORT_FILES["json"]).read_text())
+    settings = {(s["temperature"], s["thinking"]) for s in data["settings"]}
+    assert settings == {(0.0, False), (0.0, True), (1.0, False), (1.0, True)}
+    assert data["run"]["methods"] == ["plain", "mtp-k2", "hyperdflash"]
+    for setting in data["settings"]:
+        for method in setting["methods"]:
+            assert method["prompts"] == 2
+            assert method["lossless"] == method["compared"] == (2 if setting["temperature"] == 0 else 0)
+
+
+def test_a_greedy_output_that_differs_fails_the_command(model_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(RewindableDeepseekV4Cache, "crop", lambda self, max_length: None)  # rollback broken
+    args = _eval_args(model_dirs, tmp_path, "--temperatures", "0", "--modes", "non-thinking", "--max-new-tokens", "12")
+    assert command.run_eval(args) == 1
+    assert "NOT LOSSLESS: mtp-k2 (gsm8k, T=0, non-thinking), hyperdflash" in capsys.readouterr().out

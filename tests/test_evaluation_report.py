@@ -1,0 +1,115 @@
+"""Report files: Markdown tables per setting, strict JSON with every number, the acceptance plot."""
+
+import json
+
+import pytest
+
+from hf_hyperdflash.evaluation.harness import Setting, SettingResult
+from hf_hyperdflash.evaluation.report import REPORT_FILES, machine_description, write_report
+from hf_hyperdflash.evaluation.runner import MethodResult
+
+
+def _result(name: str, accepted: list[int], proposed: list[int], lossless: int = 2, compared: int = 2) -> MethodResult:
+    result = MethodResult(name=name, prompts=2, compared=compared, lossless=lossless)
+    result.num_draft_tokens = max(proposed, default=0)
+    result.accepted_per_step, result.proposed_per_step = accepted, proposed
+    result.new_tokens = sum(accepted) + len(accepted) if accepted else 40
+    result.target_forwards = len(accepted) if accepted else 40
+    result.tokens_per_second, result.speed_ratios = [20.0, 30.0], [1.0, 1.0] if not accepted else [1.5, 2.5]
+    if accepted:
+        result.timed_steps = len(accepted)
+        result.latency_seconds = {"step": 0.1 * len(accepted), "draft": 0.02, "verify": 0.05, "rollback": 0.001}
+    return result
+
+
+def _first_table(markdown: str, header_start: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The header cells and the rows (by method) of the first table whose header starts with `header_start`."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        cells = line.split(" | ")
+        rows[cells[0][2:]] = cells
+    return lines[start].split(" | "), rows
+
+
+@pytest.fixture
+def results():
+    greedy = [
+        _result("plain", [], []),
+        _result("mtp-k3", [3, 1, 0, 2], [3, 3, 3, 3]),
+        _result("hyperdflash", [7, 5, 7], [7, 7, 7], lossless=1),
+    ]
+    sampled = [_result("plain", [], [], 0, 0), _result("mtp-k3", [2, 2], [3, 3], 0, 0)]
+    return [
+        SettingResult(Setting("humaneval", 0.0, False), greedy),
+        SettingResult(Setting("humaneval", 1.0, True), sampled),
+    ]
+
+
+RUN = {
+    "command": "hyperdflash eval --output-dir out",
+    "machine": machine_description(),
+    "target": "tiny",
+    "mtp": "runs/mtp",
+    "drafters": {"hyperdflash": "runs/hdf"},
+    "methods": ["plain", "mtp-k3", "hyperdflash"],
+    "max_new_tokens": 16,
+    "repeats": 1,
+    "seed": 0,
+    "dtype": "float32",
+    "device": "cpu",
+    "notes": ["skipped vanilla_dflash: the shipped reference vanilla_dflash is not installed"],
+}
+
+
+def test_markdown_has_a_row_per_method_and_flags_the_failure(results, tmp_path):
+    markdown = write_report(results, RUN, tmp_path)
+    assert markdown == (tmp_path / REPORT_FILES["markdown"]).read_text()
+    assert "`hyperdflash eval --output-dir out`" in markdown and RUN["machine"]["cpu"] in markdown
+    assert "- skipped vanilla_dflash" in markdown and "Drafters: hyperdflash (runs/hdf)." in markdown
+    assert "## humaneval, T=0, non-thinking (2 prompts)" in markdown and "## humaneval, T=1, thinking" in markdown
+    header, rows = _first_table(markdown, "| method | k |")
+    assert header[3:10] == [f"acc@{k}" for k in range(1, 8)]
+    assert list(rows) == ["plain", "mtp-k3", "hyperdflash"]
+    assert rows["mtp-k3"][1:3] == ["3", "2.50"]  # k, tau = (6 + 4) / 4
+    assert rows["mtp-k3"][3:7] == ["0.75", "0.50", "0.25", "–"]
+    assert rows["hyperdflash"][-1] == "1/2 ✗ |" and rows["plain"][2] == "–"
+    assert "n/a (sampled)" in markdown
+    assert "NOT LOSSLESS: hyperdflash (humaneval, T=0, non-thinking)" in markdown
+    header, latency = _first_table(markdown, "| method | ms/step |")
+    assert list(latency) == ["mtp-k3", "hyperdflash"]  # plain has no verify steps
+    assert latency["mtp-k3"][1:3] == ["100.00", "5.00 (5%)"]  # 0.4 s over 4 steps; draft 20 ms over 4 steps
+
+
+def test_json_is_strict_and_complete(results, tmp_path):
+    write_report(results, RUN, tmp_path)
+
+    def no_nan(constant):
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    data = json.loads((tmp_path / REPORT_FILES["json"]).read_text(), parse_constant=no_nan)
+    assert data["run"]["command"] == RUN["command"] and data["run"]["machine"]["torch_threads"] >= 1
+    first = data["settings"][0]
+    assert (first["dataset"], first["temperature"], first["thinking"]) == ("humaneval", 0.0, False)
+    plain, mtp = first["methods"][:2]
+    assert plain["tau"] is None and plain["latency_ms"] == {}
+    expected_keys = {"name", "tau", "acceptance_per_position", "forwards_per_token", "tokens_per_second", "speedup"}
+    expected_keys |= {"lossless", "compared", "latency_ms", "accepted_per_step", "proposed_per_step", "runs"}
+    assert expected_keys <= set(mtp)
+    assert mtp["tau"] == 2.5 and mtp["speedup"] == 2.0
+    assert set(mtp["latency_ms"]) == {"step", "draft", "verify", "rollback", "other"}
+
+
+def test_acceptance_plot_is_a_png(results, tmp_path):
+    write_report(results, RUN, tmp_path)
+    png = (tmp_path / REPORT_FILES["plot"]).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_machine_description_names_cpu_cores_and_threads():
+    machine = machine_description()
+    assert machine["cpu"] and machine["logical_cores"] >= 1 and machine["torch_threads"] >= 1
+    assert {"gpu", "torch", "transformers", "python"} <= set(machine)

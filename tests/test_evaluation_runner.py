@@ -1,0 +1,133 @@
+"""The measuring loop on the tiny target: lossless counting, stats pooling, seeds, and the per-step latency split."""
+
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import hf_hyperdflash  # noqa: F401  (generate() integration)
+from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+from hf_hyperdflash.cache import RewindableDeepseekV4Cache
+from hf_hyperdflash.evaluation.harness import Setting, SettingResult
+from hf_hyperdflash.evaluation.runner import Method, run_methods
+from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
+
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_deepseek_v4(seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    torch.manual_seed(1)
+    return {
+        "hyperdflash": HyperDFlashForDrafting.from_target(target, block_size=4).eval(),
+        "mtp": DeepseekV4MTPForDrafting.from_target(target).eval(),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 512, (1, length), generator=generator) for length in (9, 21)]
+
+
+def oracle_method(target, drafter) -> Method:
+    """The untrained drafter with its proposals replaced by the target's own (partly corrupted) continuation."""
+
+    def context(input_ids):
+        reference = target.generate(input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        return oracle_drafting(OracleProposer(512, reference, corruption=0.2, seed=input_ids.shape[1]))
+
+    return Method("oracle", drafter, context=context)
+
+
+@contextmanager
+def broken_rollback(_input_ids):
+    """A deliberate bug: the target cache keeps the rejected drafts' keys and values."""
+    original = RewindableDeepseekV4Cache.crop
+    RewindableDeepseekV4Cache.crop = lambda self, max_length: None
+    try:
+        yield
+    finally:
+        RewindableDeepseekV4Cache.crop = original
+
+
+def test_greedy_methods_are_counted_lossless_with_pooled_stats(target, drafters, prompts):
+    methods = [
+        Method("plain"),
+        Method("hyperdflash", drafters["hyperdflash"]),
+        Method("mtp-k2", drafters["mtp"], num_draft_tokens=2),
+        oracle_method(target, drafters["hyperdflash"]),
+    ]
+    results = run_methods(target, methods, prompts, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, repeats=2)
+    plain, untrained, mtp, oracle = results
+    assert [r.name for r in results] == ["plain", "hyperdflash", "mtp-k2", "oracle"]
+    for result in results:
+        assert (result.prompts, result.compared, result.lossless) == (2, 2, 2)
+        assert result.new_tokens == 2 * 2 * MAX_NEW_TOKENS  # prompts x repeats x tokens
+        assert len(result.speed_ratios) == len(result.tokens_per_second) == 2
+        assert all(run["identical_to_plain"] and len(run["seconds"]) == 2 for run in result.runs)
+    assert plain.forwards_per_token == 1.0 and plain.speedup == 1.0 and plain.latency_ms == {}
+    assert drafters["mtp"].generation_config.num_assistant_tokens == 3  # the override was undone
+    assert len(untrained.acceptance_per_position) == 3 and len(mtp.acceptance_per_position) == 2
+    assert mtp.num_draft_tokens == 2 and oracle.num_draft_tokens == 3
+    assert oracle.tau > 1.5 and oracle.forwards_per_token < 0.8
+    assert oracle.tau == pytest.approx(sum(oracle.accepted_per_step) / len(oracle.accepted_per_step) + 1)
+    assert oracle.timed_steps == len(oracle.accepted_per_step)
+
+
+def test_a_non_lossless_method_is_reported(target, drafters, prompts):
+    methods = [Method("plain"), Method("broken", drafters["hyperdflash"], context=broken_rollback)]
+    results = run_methods(target, methods, prompts, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    assert results[1].compared == 2 and results[1].lossless < 2
+    assert SettingResult(Setting("fixture", 0.0, False), results).not_lossless == ["broken"]
+
+
+def test_sampling_is_seeded_per_prompt_and_repeat_and_not_compared(target, drafters, prompts):
+    methods = [Method("plain"), Method("mtp-k3", drafters["mtp"], num_draft_tokens=3)]
+    runs = [
+        run_methods(target, methods, prompts[:1], temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=7)
+        for _ in range(2)
+    ]
+    for first, second in zip(*runs, strict=True):
+        assert first.compared == 0 and first.lossless == 0 and "identical_to_plain" not in first.runs[0]
+        assert first.accepted_per_step == second.accepted_per_step  # same seeds, same draws
+
+
+def test_plain_decoding_must_come_first(target, drafters, prompts):
+    with pytest.raises(ValueError, match="first method must be plain"):
+        run_methods(target, [Method("mtp", drafters["mtp"])], prompts)
+
+
+def test_latency_parts_add_up_to_the_measured_step_time(target, drafters, prompts):
+    reference = target.generate(prompts[1], max_new_tokens=24, do_sample=False)
+    with oracle_drafting(OracleProposer(512, reference, corruption=0.3)), torch.no_grad():
+        start = time.perf_counter()
+        output = target.generate(
+            prompts[1], max_new_tokens=24, do_sample=False, assistant_model=drafters["hyperdflash"]
+        )
+        wall = time.perf_counter() - start
+    assert torch.equal(output, reference)
+    stats = drafters["hyperdflash"].last_generation_stats
+    steps = stats["step_seconds"]
+    assert len(steps) == len(stats["accepted_per_step"]) > 0
+    for step, draft, verify, rollback in zip(
+        steps, stats["draft_seconds"], stats["verify_seconds"], stats["rollback_seconds"], strict=True
+    ):
+        assert min(draft, verify, rollback) > 0 and draft + verify + rollback <= step
+    timed = sum(steps) + stats["prefill_seconds"]
+    assert 0.6 * wall <= timed <= wall  # the rest: generate's setup and a last step with no room to draft
+
+    methods = [Method("plain"), Method("mtp-k2", drafters["mtp"], num_draft_tokens=2)]
+    (_, mtp) = run_methods(target, methods, prompts[:1], max_new_tokens=MAX_NEW_TOKENS)
+    latency = mtp.latency_ms
+    assert set(latency) == {"step", "draft", "verify", "rollback", "other"}
+    assert latency["draft"] + latency["verify"] + latency["rollback"] + latency["other"] == pytest.approx(
+        latency["step"]
+    )
+    assert latency["other"] >= 0 and latency["verify"] > 0
