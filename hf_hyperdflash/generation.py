@@ -193,7 +193,7 @@ class BlockProposer:
         pick: TokenPicker,
     ) -> tuple[torch.LongTensor, torch.Tensor]:
         device, dtype = self.drafter.device, self.drafter.dtype
-        anchor_embeds = self.target.embed_tokens(input_ids[:, -1:].to(self.target.embed_tokens.weight.device))
+        anchor_embeds = self.target.embed(input_ids[:, -1:])
         anchor_position = torch.full((1, 1), input_ids.shape[1] - 1, device=device)
         hidden = self.drafter(
             anchor_embeds=anchor_embeds.to(device, dtype),
@@ -202,8 +202,7 @@ class BlockProposer:
             anchor_position_ids=anchor_position,
             past_key_values=self.cache,
         ).last_hidden_state
-        lm_head = self.target.lm_head
-        logits = lm_head(hidden[:, 1 : 1 + num_tokens].to(lm_head.weight.device, lm_head.weight.dtype))
+        logits = self.target.logits(hidden[:, 1 : 1 + num_tokens])
         return _pick_sequentially(input_ids, logits.to(input_ids.device), pick)
 
 
@@ -218,15 +217,14 @@ class MTPProposer:
 
     def _step(self, token_ids: torch.LongTensor, residual: torch.Tensor, positions: torch.LongTensor):
         device, dtype = self.drafter.device, self.drafter.dtype
-        embeds = self.target.embed_tokens(token_ids.to(self.target.embed_tokens.weight.device))
+        embeds = self.target.embed(token_ids)
         out = self.drafter(
             token_embeds=embeds.to(device, dtype),
             previous_residual=residual.to(device, dtype),
             position_ids=positions.to(device),
             past_key_values=self.cache,
         )
-        lm_head = self.target.lm_head
-        logits = lm_head(out.last_hidden_state[:, -1:].to(lm_head.weight.device, lm_head.weight.dtype))
+        logits = self.target.logits(out.last_hidden_state[:, -1:])
         return logits[:, 0].to(token_ids.device), out.residual[:, -1:]
 
     def propose(

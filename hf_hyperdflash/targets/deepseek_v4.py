@@ -76,6 +76,15 @@ class DeepseekV4Target:
         """`model.hc_head` (DeepseekV4HyperHead): the module whose input is the final pre-collapse residual."""
         return self.model.model.hc_head
 
+    def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
+        """The target's embedding of `token_ids`, computed where the embedding lives."""
+        return self.embed_tokens(token_ids.to(self.embed_tokens.weight.device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's `lm_head` on final-normed hidden states, computed where the head lives."""
+        weight = self.lm_head.weight
+        return self.lm_head(hidden.to(weight.device, weight.dtype))
+
     @property
     def final_norm(self) -> nn.Module:
         """`model.norm`, applied after the collapse head and before `lm_head`."""
