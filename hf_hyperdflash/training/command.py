@@ -114,7 +114,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
     models = parser.add_argument_group("models")
     _option(models, "--target", "Path or Hub id of the DeepSeek-V4 target. Default: the shipped reference target.")
-    _option(models, "--tokenizer", "Tokenizer path or Hub id. Default: the target's.")
+    _option(models, "--tokenizer", "Tokenizer path or Hub id. Default: the reference's, or the target's.")
     _option(models, "--target-dtype", "dtype of the frozen target.", choices=["auto", "float32", "bfloat16"])
     _option(
         models,
@@ -273,7 +273,8 @@ def run_train(args: argparse.Namespace) -> Path:
     make_optimizer = optimizer_factory(settings["optimizer"])
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=loop.mixed_precision)
     target_path = settings["target"] or _reference_target()
-    tokenizer = AutoTokenizer.from_pretrained(settings["tokenizer"] or target_path)
+    default_tokenizer = target_path if settings["target"] else reference.tokenizer_path()
+    tokenizer = AutoTokenizer.from_pretrained(settings["tokenizer"] or default_tokenizer)
     target = load_target(target_path, accelerator.device, settings["target_dtype"], settings["target_quantization"])
 
     torch.manual_seed(loop.seed)

@@ -1,0 +1,42 @@
+"""Configuration of DeepSeek-V4's native multi-token-prediction (MTP) module, used as a drafter."""
+
+from transformers import DeepseekV4Config
+
+
+class DeepseekV4MTPConfig(DeepseekV4Config):
+    """A one-block DeepSeek-V4 config describing the MTP module of a V4 target.
+
+    The block is V4's own decoder layer restricted, as in the reference inference code, to
+    sliding-window attention and top-k (non-hash) MoE. Every other dimension is the target's.
+    `num_nextn_predict_layers` keeps the target's value for reference; drafting depth is
+    `generation_config.num_assistant_tokens` (the module is reused on its own output).
+    """
+
+    model_type = "deepseek_v4_mtp"
+
+    def __post_init__(self, **kwargs):
+        if self.num_hidden_layers != 1:
+            raise ValueError(f"An MTP module is one decoder block; got num_hidden_layers={self.num_hidden_layers}.")
+        self.layer_types = ["sliding_attention"]
+        self.mlp_layer_types = ["moe"]
+        super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_target_config(cls, target_config: DeepseekV4Config) -> "DeepseekV4MTPConfig":
+        settings = target_config.to_dict()
+        for key in (
+            "model_type",
+            "architectures",
+            "transformers_version",
+            "auto_map",
+            "layer_types",
+            "mlp_layer_types",
+        ):
+            settings.pop(key, None)
+        settings["num_hidden_layers"] = 1
+        return cls(**settings)
+
+
+__all__ = ["DeepseekV4MTPConfig"]
+
+DeepseekV4MTPConfig.register_for_auto_class()

@@ -1,0 +1,111 @@
+"""DeepSeek-V4's native MTP module as a stand-alone drafter (transformers drops the `mtp.*` weights on load).
+
+Given the target's pre-collapse residual at position i and the token at i+1, one V4 decoder block
+predicts the token at i+2:
+
+    e = enorm(embed(token)), h = hnorm(residual)            # h: [B, S, hc_mult, D]
+    x = e_proj(e)[:, :, None] + h_proj(h)
+    residual' = block(x)                                     # sliding-window attention, top-k MoE
+    logits = lm_head(norm(hc_head(residual')))
+
+Deeper drafts reuse the module on its own `residual'`. Embedding and `lm_head` are the target's and
+are passed in at run time, never stored here.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.masking_utils import create_sliding_window_causal_mask
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4DecoderLayer,
+    DeepseekV4HyperHead,
+    DeepseekV4PreTrainedModel,
+    DeepseekV4RMSNorm,
+    DeepseekV4RotaryEmbedding,
+)
+from transformers.utils import ModelOutput
+
+from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
+from .strict_loading import StrictLoadingMixin
+
+DEFAULT_DRAFT_STEPS = 3
+
+
+@dataclass
+class DeepseekV4MTPOutput(ModelOutput):
+    """`last_hidden_state` feeds the target's lm_head; `residual` (pre-collapse) feeds the next MTP step."""
+
+    last_hidden_state: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    past_key_values: object | None = None
+
+
+class DeepseekV4MTPForDrafting(StrictLoadingMixin, DeepseekV4PreTrainedModel):
+    """Inherits V4's weight init, fp32-kept modules and no-split rules; it is not a generator itself."""
+
+    config_class = DeepseekV4MTPConfig
+    _can_record_outputs = {}
+
+    def __init__(self, config: DeepseekV4MTPConfig):
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.enorm = DeepseekV4RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hnorm = DeepseekV4RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.e_proj = nn.Linear(hidden, hidden, bias=False)
+        self.h_proj = nn.Linear(hidden, hidden, bias=False)
+        self.block = DeepseekV4DecoderLayer(config, layer_idx=0)
+        self.hc_head = DeepseekV4HyperHead(config)
+        self.norm = DeepseekV4RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = DeepseekV4RotaryEmbedding(config)
+        self.post_init()
+        self.generation_config = GenerationConfig(
+            num_assistant_tokens=DEFAULT_DRAFT_STEPS, num_assistant_tokens_schedule="constant"
+        )
+
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, **overrides) -> "DeepseekV4MTPForDrafting":
+        """An untrained MTP for `target`; its collapse head and final norm start from the target's."""
+        config = DeepseekV4MTPConfig.from_target_config(target.config)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        model = cls(config).to(dtype=target.lm_head.weight.dtype)
+        model.hc_head.load_state_dict(target.model.hc_head.state_dict())
+        model.norm.load_state_dict(target.model.norm.state_dict())
+        return model
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,
+        previous_residual: torch.Tensor,
+        position_ids: torch.LongTensor,
+        past_key_values=None,
+    ) -> DeepseekV4MTPOutput:
+        """token_embeds [B, S, D] (target embedding of token i+1), previous_residual [B, S, hc, D] (at i)."""
+        mixed = self.e_proj(self.enorm(token_embeds)).unsqueeze(2) + self.h_proj(self.hnorm(previous_residual))
+        mask = create_sliding_window_causal_mask(
+            config=self.config,
+            inputs_embeds=token_embeds,
+            attention_mask=None,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        position_embeddings = {
+            kind: self.rotary_emb(token_embeds, position_ids=position_ids, layer_type=kind)
+            for kind in ("main", "compress")
+        }
+        residual = self.block(
+            mixed,
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+            attention_mask=mask,
+            past_key_values=past_key_values,
+        )
+        hidden = self.norm(self.hc_head(residual))
+        return DeepseekV4MTPOutput(last_hidden_state=hidden, residual=residual, past_key_values=past_key_values)
+
+
+__all__ = ["DeepseekV4MTPForDrafting"]
+
+DeepseekV4MTPForDrafting.register_for_auto_class("AutoModel")
