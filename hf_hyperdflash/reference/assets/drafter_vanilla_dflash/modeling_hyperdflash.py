@@ -1,0 +1,322 @@
+"""HyperDFlash drafter: a block-parallel (DFlash) drafter conditioned on a DeepSeek-V4 target's mHC residual.
+
+Hugging Face remote code: imports only torch and transformers. The drafter has no embedding or LM head; the
+caller embeds the anchor tokens with the target's embedding and maps the output through the target's `lm_head`.
+"""
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+from .configuration_hyperdflash import TARGET_MODEL_TYPES, HyperDFlashConfig
+from .strict_loading import StrictLoadingMixin
+
+
+def spread_target_layers(num_target_layers: int, count: int) -> list[int]:
+    """DFlash's choice of conditioning layers: `count` layers evenly spread over [1, L-3], or over all layers when the
+    target is too shallow for that range to hold `count` distinct layers."""
+    count = min(count, num_target_layers)
+    if count == 1:
+        return [num_target_layers // 2]
+    start, end = (1, num_target_layers - 3) if num_target_layers - 4 >= count - 1 else (0, num_target_layers - 1)
+    return [round(start + i * (end - start) / (count - 1)) for i in range(count)]
+
+
+def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on `[batch, heads, seq, head_dim]`, one tensor at a time: queries and context keys have other positions."""
+    return states * cos.unsqueeze(1) + rotate_half(states) * sin.unsqueeze(1)
+
+
+def block_attention_mask(context_visible: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask `[batch, 1, blocks*block_size, context + blocks*block_size]` over keys `[context, blocks]`.
+
+    `context_visible[b, n, j]` says whether block n may see context key j. Every block sees all of its own slots
+    (non-causal) and none of the other blocks' slots.
+    """
+    batch, num_blocks, _ = context_visible.shape
+    own_block = torch.eye(num_blocks, dtype=torch.bool, device=context_visible.device)
+    own_block = own_block.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+    visible = torch.cat(
+        [context_visible.repeat_interleave(block_size, dim=1), own_block.expand(batch, -1, -1)], dim=-1
+    )
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(1)
+
+
+class HyperDFlashGateReducer(nn.Module):
+    """`reducer="inherited_gate"`: the target's own stream collapse (`DeepseekV4HyperHead`, so the functional form
+    and the parameter names `hc_fn`/`hc_base`/`hc_scale` are the target's), one per conditioning layer. With several
+    layers (`conditioning="intermediate"`) each layer's streams are collapsed by its own gate and the results averaged.
+    """
+
+    def __init__(self, config: HyperDFlashConfig):
+        super().__init__()
+        self.hc_mult = config.hc_mult
+        self.hc_heads = nn.ModuleList(DeepseekV4HyperHead(config) for _ in range(config.num_conditioning_layers))
+
+    def forward(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        per_layer = target_hidden.unflatten(2, (len(self.hc_heads), self.hc_mult))
+        return torch.stack([head(per_layer[:, :, i]) for i, head in enumerate(self.hc_heads)]).mean(0)
+
+
+class HyperDFlashDenseReducer(nn.Module):
+    """`reducer="dense"`: vanilla DFlash's bias-free projection of all flattened streams to one hidden vector."""
+
+    def __init__(self, config: HyperDFlashConfig):
+        super().__init__()
+        in_features = config.num_conditioning_layers * config.hc_mult * config.hidden_size
+        self.proj = nn.Linear(in_features, config.hidden_size, bias=False)
+
+    def forward(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(target_hidden.flatten(2))
+
+
+class HyperDFlashAttention(nn.Module):
+    """Block queries attend to injected context keys/values (this layer's own projections of the context features)
+    followed by the block's own keys/values. Only the context K/V go into the cache."""
+
+    def __init__(self, config: HyperDFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _heads(self, states: torch.Tensor) -> torch.Tensor:
+        return states.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+
+    def _key_values(
+        self, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = apply_rotary(self.k_norm(self._heads(self.k_proj(states))), cos, sin)
+        return keys, self._heads(self.v_proj(states))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context_rope: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        queries = apply_rotary(self.q_norm(self._heads(self.q_proj(hidden_states))), *block_rope)
+        block_keys, block_values = self._key_values(hidden_states, *block_rope)
+        context_keys, context_values = self._key_values(context, *context_rope)
+        if past_key_values is not None:
+            context_keys, context_values = past_key_values.update(context_keys, context_values, self.layer_idx)
+        attn_output, _ = eager_attention_forward(
+            self,
+            queries,
+            torch.cat([context_keys, block_keys], dim=2),
+            torch.cat([context_values, block_values], dim=2),
+            attention_mask,
+            scaling=self.scaling,
+            dropout=self.attention_dropout if self.training else 0.0,
+        )
+        return self.o_proj(attn_output.flatten(2))
+
+
+class HyperDFlashDecoderLayer(nn.Module):
+    """Pre-norm attention with context KV injection, then a SwiGLU MLP."""
+
+    def __init__(self, config: HyperDFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = HyperDFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, context: torch.Tensor, **attention_kwargs) -> torch.Tensor:
+        attn_output = self.self_attn(self.input_layernorm(hidden_states), context, **attention_kwargs)
+        hidden_states = hidden_states + attn_output
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class HyperDFlashForDrafting(StrictLoadingMixin, PreTrainedModel):
+    """Drafts a block of `block_size - 1` tokens after each anchor in one non-causal forward.
+
+    The conditioning residual is reduced to one vector per context position (`reducer`), normalised (`hidden_norm`)
+    and injected as keys/values into every draft layer. Block n is `[anchor_n, mask x (block_size - 1)]` at positions
+    `anchor_position_ids[:, n] + 0..block_size-1`; slot k predicts the token k places after the anchor.
+    """
+
+    config_class = HyperDFlashConfig
+    main_input_name = "anchor_embeds"
+    _no_split_modules = ["HyperDFlashDecoderLayer"]
+
+    def __init__(self, config: HyperDFlashConfig):
+        super().__init__(config)
+        reducer_class = HyperDFlashGateReducer if config.reducer == "inherited_gate" else HyperDFlashDenseReducer
+        self.reducer = reducer_class(config)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.empty(config.hidden_size))
+        self.layers = nn.ModuleList(HyperDFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        # Draft length in transformers' assistant convention; derived from the config, so it survives save/load.
+        self.generation_config = GenerationConfig(
+            num_assistant_tokens=config.block_size - 1, num_assistant_tokens_schedule="constant"
+        )
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, HyperDFlashForDrafting):
+            init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, DeepseekV4HyperHead):
+            init.normal_(module.hc_fn, mean=0.0, std=self.config.initializer_range)
+            init.zeros_(module.hc_base)
+            init.ones_(module.hc_scale)
+
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, **overrides) -> "HyperDFlashForDrafting":
+        """An untrained drafter for `target` (a `DeepseekV4ForCausalLM`); `overrides` set any config field.
+
+        Target dimensions come from the target config, draft-layer sizes from its hidden size. With
+        `reducer="inherited_gate"` every gate starts as a copy of `target.model.hc_head`. No reference to the target
+        is kept. For `conditioning="intermediate"` without `target_layer_ids`, a DFlash-style spread is stored.
+        """
+        target_config = target.config
+        if target_config.model_type not in TARGET_MODEL_TYPES:
+            raise ValueError(
+                f"HyperDFlash supports targets with model_type in {TARGET_MODEL_TYPES}, "
+                f"got {target_config.model_type!r}."
+            )
+        hidden = target_config.hidden_size
+        head_dim = min(128, hidden // 4)
+        num_heads = hidden // head_dim
+        settings = {
+            "vocab_size": target_config.vocab_size,
+            "hidden_size": hidden,
+            "hc_mult": target_config.hc_mult,
+            "rms_norm_eps": target_config.rms_norm_eps,
+            "hc_eps": target_config.hc_eps,
+            "max_position_embeddings": target_config.max_position_embeddings,
+            "target_model_type": target_config.model_type,
+            "head_dim": head_dim,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": max(1, num_heads // 4),
+            "intermediate_size": 3 * hidden,
+            **overrides,
+        }
+        if settings.get("conditioning") == "intermediate" and settings.get("target_layer_ids") is None:
+            num_layers = settings.get("num_hidden_layers", HyperDFlashConfig.num_hidden_layers)
+            settings["target_layer_ids"] = spread_target_layers(target_config.num_hidden_layers, num_layers)
+        config = HyperDFlashConfig(**settings)
+        if config.conditioning == "intermediate" and max(config.target_layer_ids) >= target_config.num_hidden_layers:
+            raise ValueError(
+                f"`target_layer_ids` {config.target_layer_ids} must index the target's "
+                f"{target_config.num_hidden_layers} decoder layers."
+            )
+        drafter = cls(config)
+        if config.reducer == "inherited_gate":
+            for head in drafter.reducer.hc_heads:
+                head.load_state_dict(target.model.hc_head.state_dict())  # copies values, shares no storage
+        return drafter
+
+    def _check_inputs(
+        self,
+        anchor_embeds: torch.Tensor,
+        target_hidden: torch.Tensor,
+        context_position_ids: torch.Tensor,
+        anchor_position_ids: torch.Tensor,
+        context_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+    ) -> None:
+        batch, num_blocks = anchor_embeds.shape[:2]
+        hidden, streams = self.config.hidden_size, self.config.num_conditioning_layers * self.config.hc_mult
+        if anchor_embeds.dim() != 3 or anchor_embeds.shape[2] != hidden:
+            raise ValueError(f"`anchor_embeds` must be [batch, blocks, {hidden}], got {tuple(anchor_embeds.shape)}.")
+        if target_hidden.dim() != 4 or target_hidden.shape[0] != batch or target_hidden.shape[2:] != (streams, hidden):
+            raise ValueError(
+                f"`target_hidden` must be [{batch}, context, {streams}, {hidden}] ({self.config.conditioning!r} "
+                f"conditioning, hc_mult {self.config.hc_mult}), got {tuple(target_hidden.shape)}."
+            )
+        if context_position_ids.shape != target_hidden.shape[:2] or anchor_position_ids.shape != (batch, num_blocks):
+            raise ValueError("`context_position_ids` must be [batch, context], `anchor_position_ids` [batch, blocks].")
+        if past_key_values is not None and num_blocks != 1:
+            raise ValueError(f"With `past_key_values` the drafter drafts one block per call, got {num_blocks}.")
+        past = 0 if past_key_values is None else past_key_values.get_seq_length()
+        if context_mask is not None and context_mask.shape != (batch, past + target_hidden.shape[1]):
+            raise ValueError(f"`context_mask` must be [batch, {past + target_hidden.shape[1]}]: cached + new context.")
+
+    def forward(
+        self,
+        anchor_embeds: torch.Tensor,
+        target_hidden: torch.Tensor,
+        context_position_ids: torch.LongTensor,
+        anchor_position_ids: torch.LongTensor,
+        context_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> BaseModelOutputWithPast:
+        r"""
+        Args:
+            anchor_embeds (`[batch, blocks, hidden]`): the anchor tokens embedded by the target, one per block.
+            target_hidden (`[batch, context, streams, hidden]`): conditioning residual per context position; streams is
+                `hc_mult` (pre_collapse) or `len(target_layer_ids) * hc_mult` (intermediate, layer-major).
+            context_position_ids (`[batch, context]`): absolute positions of the context entries.
+            anchor_position_ids (`[batch, blocks]`): absolute position of each anchor token.
+            context_mask (`[batch, context]` bool, *optional*): False marks padding. With `past_key_values` it covers
+                the cached context followed by the new one.
+            past_key_values (`Cache`, *optional*): the drafter's context cache (e.g. an empty `DynamicCache` at the
+                start). The new context K/V are appended to it and the single block (blocks must be 1) attends to all
+                cached context. Without it, block n sees only context at positions before its anchor: all blocks of a
+                sequence train in one forward.
+
+        Returns:
+            `BaseModelOutputWithPast`: `last_hidden_state` `[batch, blocks * block_size, hidden]` after the final norm
+            (feed it to the target's `lm_head`), and `past_key_values`.
+        """
+        self._check_inputs(
+            anchor_embeds, target_hidden, context_position_ids, anchor_position_ids, context_mask, past_key_values
+        )
+        dtype = self.mask_embedding.dtype
+        batch, num_blocks, hidden = anchor_embeds.shape
+        block_size = self.config.block_size
+        context = self.hidden_norm(self.reducer(target_hidden.to(dtype)))
+
+        masks = self.mask_embedding.expand(batch, num_blocks, block_size - 1, hidden)
+        hidden_states = torch.cat([anchor_embeds.to(dtype).unsqueeze(2), masks], dim=2).flatten(1, 2)
+        slots = torch.arange(block_size, device=anchor_position_ids.device)
+        block_position_ids = (anchor_position_ids.unsqueeze(-1) + slots).flatten(1)
+
+        if past_key_values is None:
+            context_visible = context_position_ids.unsqueeze(1) < anchor_position_ids.unsqueeze(2)
+        else:
+            cached_length = past_key_values.get_seq_length() + context.shape[1]
+            context_visible = torch.ones(batch, 1, cached_length, dtype=torch.bool, device=context.device)
+        if context_mask is not None:
+            context_visible = context_visible & context_mask.bool().unsqueeze(1)
+
+        attention_kwargs = {
+            "block_rope": self.rotary_emb(hidden_states, block_position_ids),
+            "context_rope": self.rotary_emb(context, context_position_ids),
+            "attention_mask": block_attention_mask(context_visible, block_size, dtype),
+            "past_key_values": past_key_values,
+        }
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, context, **attention_kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+
+HyperDFlashForDrafting.register_for_auto_class("AutoModel")
