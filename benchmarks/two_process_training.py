@@ -110,12 +110,14 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a fresh temporary directory")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
     args = parser.parse_args()
-    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="two_process_"))
+    work_dir = (args.work_dir or Path(tempfile.mkdtemp(prefix="two_process_"))).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     command = launch_command(work_dir, args.steps)
     start = time.perf_counter()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run(command, check=True, env=env)
+    # `-m` puts the working directory first on sys.path; run from the work dir so a source checkout's
+    # `hf_hyperdflash/` (whose `modeling` is mapped in only at install time) cannot shadow the installed package.
+    subprocess.run(command, check=True, env=env, cwd=work_dir)
     seconds = time.perf_counter() - start
     records = [json.loads(line) for line in (work_dir / "out" / "run" / "log.jsonl").read_text().splitlines()]
     print(f"two-process run: {seconds:.1f} s wall (process start-up included), work dir {work_dir}")
