@@ -1,0 +1,60 @@
+"""The shipped reference set: loadable offline, mutually consistent, bf16, within budget, code in sync."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+import hf_hyperdflash
+from hf_hyperdflash import reference
+
+MODELING_SOURCES = Path(hf_hyperdflash.modeling.__file__).parent
+ASSET_DIRS = [reference.target_path(), reference.mtp_path(), *map(reference.drafter_path, reference.DRAFTER_KINDS)]
+
+
+def test_shipped_weights_are_bf16_and_within_the_budget():
+    total = sum(f.stat().st_size for f in reference.ASSETS.rglob("*") if f.is_file())
+    assert total <= 40 * 1024**2
+    for directory in ASSET_DIRS:
+        with safe_open(directory / "model.safetensors", "pt") as weights:
+            float_dtypes = {weights.get_slice(k).get_dtype() for k in weights.keys()} - {"I64"}
+        assert float_dtypes == {"BF16"}, directory
+
+
+@pytest.mark.parametrize("directory", ASSET_DIRS[1:], ids=lambda d: d.name)
+def test_shipped_remote_code_matches_the_modeling_sources(directory):
+    """save_pretrained copied the remote code next to the weights; a modeling change must be re-exported."""
+    for shipped in directory.glob("*.py"):
+        assert shipped.read_text() == (MODELING_SOURCES / shipped.name).read_text(), shipped
+
+
+def test_drafters_fit_the_shipped_target():
+    target = AutoConfig.from_pretrained(reference.target_path())
+    for directory in ASSET_DIRS[1:]:
+        drafter = AutoConfig.from_pretrained(directory, trust_remote_code=True)
+        assert (drafter.hidden_size, drafter.hc_mult, drafter.vocab_size) == (
+            target.hidden_size,
+            target.hc_mult,
+            target.vocab_size,
+        )
+
+
+def test_unknown_drafter_kind_is_a_clear_error():
+    with pytest.raises(ValueError, match="Unknown drafter kind"):
+        reference.drafter_path("medusa")
+
+
+def test_tokenizer_has_the_chat_format_the_target_expects():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
+    target = AutoConfig.from_pretrained(reference.target_path())
+    assert len(tokenizer) == target.vocab_size
+    assert (tokenizer.eos_token_id, tokenizer.bos_token_id) == (target.eos_token_id, target.bos_token_id)
+    messages = [{"role": "user", "content": "hi"}]
+    closed = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    opened = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=True)
+    assert closed.endswith("<think></think>") and opened.endswith("<think>")
+    assert torch.tensor(tokenizer(closed).input_ids).max() < target.vocab_size
