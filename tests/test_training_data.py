@@ -161,3 +161,15 @@ def test_prompt_sources(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ValueError, match="pip install datasets"):
         load_prompts("some-org/some-dataset")
+
+
+def test_two_jobs_on_one_data_dir_do_not_answer_a_prompt_twice(target, tokenizer, tmp_path):
+    """The second job waits for the shard lock, then finds every prompt answered and writes nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = [pool.submit(generate, target, tokenizer, tmp_path) for _ in range(2)]
+        for job in jobs:
+            job.result()
+    lines = (tmp_path / "shard-000.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["index"] for line in lines) == list(range(len(PROMPTS)))

@@ -12,9 +12,11 @@ a JSONL file of chats (`{"messages": [...]}`: messages up to the first user turn
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from itertools import groupby
 from pathlib import Path
 
@@ -213,13 +215,40 @@ def generate_replies(
         "enable_thinking": enable_thinking,
         "seed": seed,
     }
-    _check_settings(data_dir, settings, write=rank == 0)
     shard = data_dir / f"shard-{rank:03d}.jsonl"
-    if shard.exists():  # rewrite without an interrupted last line, so appends start on a fresh line
-        shard.write_text("".join(json.dumps(record) + "\n" for record in _read_shard(shard)))
-    done = {record["index"] for record in _read_records(data_dir)}
-    pending = [(i, ids) for i, ids in enumerate(encoded) if i % world_size == rank and i not in done]
+    # One writer per shard: a second job on the same data dir waits, then resumes from what the first wrote.
+    with _exclusive(data_dir / f".shard-{rank:03d}.lock"):
+        _check_settings(data_dir, settings, write=rank == 0)
+        if shard.exists():  # rewrite without an interrupted last line, so appends start on a fresh line
+            shard.write_text("".join(json.dumps(record) + "\n" for record in _read_shard(shard)))
+        done = {record["index"] for record in _read_records(data_dir)}
+        pending = [(i, ids) for i, ids in enumerate(encoded) if i % world_size == rank and i not in done]
+        _answer(target, tokenizer, pending, shard, max_new_tokens, temperature, batch_size, mixed_lengths, seed, rank)
 
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _answer(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    pending: list[tuple[int, list[int]]],
+    shard: Path,
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int,
+    mixed_lengths: bool,
+    seed: int,
+    rank: int,
+) -> None:
+    """Generate the replies of `pending` (index, prompt ids) in batches and append them to `shard`."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = target.generation_config.eos_token_id if target.generation_config.eos_token_id is not None else []
     eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
