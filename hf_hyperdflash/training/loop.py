@@ -14,14 +14,13 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 EvalFn = Callable[[torch.nn.Module], dict[str, float]]
@@ -42,6 +41,7 @@ class LoopConfig:
     seed: int = 0
     mixed_precision: str = "no"  # "no" | "bf16"
     eval_every: int = 0  # steps between `evaluate` calls (and at the last step); 0 = never
+    cycle_steps: int = 0  # warm restarts: warmup + cosine repeat every `cycle_steps`; 0 = one cycle over the run
 
 
 @lru_cache(maxsize=4)
@@ -63,6 +63,24 @@ def batch_samples(
         epoch, position = divmod(offset, num_examples)
         samples.append((epoch, _epoch_order(config.seed, epoch, num_examples)[position]))
     return samples
+
+
+def cosine_cycles_schedule(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, cycle_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup then cosine decay to zero, repeated every `cycle_steps` (warm restarts).
+
+    With one cycle this is transformers' `get_cosine_schedule_with_warmup`; more cycles let a finished run be
+    extended by resuming it, and a fresh run of the same length retraces it exactly.
+    """
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(_cycle_factor, warmup_steps, cycle_steps))
+
+
+def _cycle_factor(warmup_steps: int, cycle_steps: int, step: int) -> float:
+    step %= cycle_steps
+    if step < warmup_steps:
+        return step / warmup_steps
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup_steps) / max(1, cycle_steps - warmup_steps)))
 
 
 def adamw(parameters: list[torch.nn.Parameter], config: LoopConfig) -> torch.optim.Optimizer:
@@ -140,7 +158,8 @@ def run_training(
     stretch = (
         accelerator.num_processes if accelerator.step_scheduler_with_optimizer and not accelerator.split_batches else 1
     )
-    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps * stretch, config.total_steps * stretch)
+    cycle_steps = config.cycle_steps or config.total_steps
+    scheduler = cosine_cycles_schedule(optimizer, config.warmup_steps * stretch, cycle_steps * stretch)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     start_step = _resume_step(accelerator, run_dir)
     log_path = run_dir / "log.jsonl"
