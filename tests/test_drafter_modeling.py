@@ -77,13 +77,21 @@ def test_from_target_copies_hc_head_and_reproduces_it(target):
     assert not any("embed_tokens" in key or "lm_head" in key for key in drafter.state_dict())
 
 
-def test_from_target_intermediate_picks_a_spread_and_copies_every_gate(target):
-    drafter = drafter_for(target, conditioning="intermediate")
-    assert drafter.config.target_layer_ids == spread_target_layers(4, 2) == [0, 3]
+def test_from_target_intermediate_follows_dflash_layer_choice():
+    assert spread_target_layers(36, 5) == [1, 9, 17, 25, 33]  # DFlash's choice for a 36-layer target
+    assert spread_target_layers(8, 2) == [1, 5]
+    assert spread_target_layers(4, 2) == [1]  # DFlash picks [1, 1] on 4 layers; the repeat is dropped
+    assert spread_target_layers(2, 3) == [1]
+    assert spread_target_layers(1, 2) == [0]
+    assert spread_target_layers(36, 1) == [18]
+
+
+def test_intermediate_defaults_to_the_dflash_spread_and_copies_every_gate(target):
+    assert drafter_for(target, conditioning="intermediate").config.target_layer_ids == [1]
+    drafter = drafter_for(target, conditioning="intermediate", target_layer_ids=[0, 3])
     for gate in drafter.reducer.hc_heads:
         assert torch.equal(gate.hc_fn, target.model.hc_head.hc_fn)
         assert torch.equal(gate.hc_base, target.model.hc_head.hc_base)
-    assert spread_target_layers(36, 5) == [1, 9, 17, 25, 33]  # DFlash's choice for a 36-layer target
 
     # Two layers' streams: each collapsed by its own gate, then averaged.
     layers = torch.randn(3, 5, 2, HC_MULT, HIDDEN)
@@ -96,7 +104,7 @@ def test_from_target_intermediate_picks_a_spread_and_copies_every_gate(target):
 def test_every_reducer_and_conditioning_drafts_blocks(target, reducer, conditioning):
     drafter = drafter_for(target, reducer=reducer, conditioning=conditioning, target_layer_ids=None)
     target_hidden, anchors = random_inputs(drafter, batch=2, blocks=3)
-    assert target_hidden.shape[2] == (8 if conditioning == "intermediate" else 4)
+    assert target_hidden.shape[2] == HC_MULT * drafter.config.num_conditioning_layers
     out = draft(drafter, target_hidden, anchors, [[3, 6, 9], [2, 5, 12]])
     assert out.shape == (2, 3 * 4, HIDDEN)
     assert torch.isfinite(out).all()
@@ -166,7 +174,7 @@ def test_cached_inference_matches_uncached(target, conditioning):
 
 
 def test_save_load_roundtrip_offline_without_the_library(target, tmp_path):
-    drafter = drafter_for(target, reducer="dense", conditioning="intermediate")
+    drafter = drafter_for(target, reducer="dense", conditioning="intermediate", target_layer_ids=[0, 3])
     target_hidden, anchors = random_inputs(drafter, blocks=2)
     inputs = {
         "anchor_embeds": anchors,

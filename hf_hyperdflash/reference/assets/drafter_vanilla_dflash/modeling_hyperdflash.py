@@ -24,13 +24,15 @@ from .strict_loading import StrictLoadingMixin
 
 
 def spread_target_layers(num_target_layers: int, count: int) -> list[int]:
-    """DFlash's choice of conditioning layers: `count` layers evenly spread over [1, L-3], or over all layers when the
-    target is too shallow for that range to hold `count` distinct layers."""
-    count = min(count, num_target_layers)
+    """DFlash's choice of conditioning layers (z-lab's `build_target_layer_ids`): `count` layers evenly spread over
+    [1, L-3], so the deepest pick sits three layers below the top. On a shallow target picks coincide; each is kept
+    once, since a repeated layer adds parameters but no information."""
     if count == 1:
         return [num_target_layers // 2]
-    start, end = (1, num_target_layers - 3) if num_target_layers - 4 >= count - 1 else (0, num_target_layers - 1)
-    return [round(start + i * (end - start) / (count - 1)) for i in range(count)]
+    start = min(1, num_target_layers - 1)
+    end = max(start, num_target_layers - 3)
+    picks = [round(start + i * (end - start) / (count - 1)) for i in range(count)]
+    return list(dict.fromkeys(picks))
 
 
 def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
