@@ -8,7 +8,9 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 import hf_hyperdflash
-from hf_hyperdflash import reference
+from hf_hyperdflash import HyperDFlashForDrafting, reference
+from hf_hyperdflash.reference.build import export_drafters
+from hf_hyperdflash.testing import tiny_deepseek_v4
 
 MODELING_SOURCES = Path(hf_hyperdflash.modeling.__file__).parent
 ASSET_DIRS = [reference.target_path(), reference.mtp_path(), *map(reference.drafter_path, reference.DRAFTER_KINDS)]
@@ -58,3 +60,19 @@ def test_tokenizer_has_the_chat_format_the_target_expects():
     opened = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=True)
     assert closed.endswith("<think></think>") and opened.endswith("<think>")
     assert torch.tensor(tokenizer(closed).input_ids).max() < target.vocab_size
+
+
+def test_drafters_stage_ships_trained_drafters_as_bf16(tmp_path):
+    with pytest.raises(ValueError, match="hyperdflash train --config configs/reference_drafter_hyperdflash.json"):
+        export_drafters(tmp_path / "runs", tmp_path / "assets")
+    target = tiny_deepseek_v4()
+    trained = {}
+    for kind, conditioning in zip(reference.DRAFTER_KINDS, ["pre_collapse", "intermediate"], strict=True):
+        trained[kind] = HyperDFlashForDrafting.from_target(target, conditioning=conditioning, block_size=4)
+        trained[kind].save_pretrained(tmp_path / "runs" / kind / "drafter")
+    export_drafters(tmp_path / "runs", tmp_path / "assets")
+    for kind, drafter in trained.items():
+        shipped = HyperDFlashForDrafting.from_pretrained(tmp_path / "assets" / f"drafter_{kind}")
+        assert shipped.dtype == torch.bfloat16 and shipped.config.conditioning == drafter.config.conditioning
+        for name, value in drafter.state_dict().items():
+            torch.testing.assert_close(shipped.state_dict()[name], value.to(torch.bfloat16))

@@ -1,6 +1,7 @@
 """Build the reference model set from scratch: tokenizer, DeepSeek-V4 target, native MTP.
 
     python -m hf_hyperdflash.reference.build --work-dir runs/reference
+    python -m hf_hyperdflash.reference.build --stages drafters   # after the two `hyperdflash train` runs
 
 Every stage is seeded and skips itself when its output exists; training stages checkpoint and resume,
 so re-running the same command after an interruption continues where it stopped. The result is
@@ -20,16 +21,21 @@ from transformers import AutoTokenizer, DeepseekV4ForCausalLM, PreTrainedModel, 
 
 from ..chat_format import synthetic_reasoning, train_chat_tokenizer
 from ..modeling.modeling_deepseek_v4_mtp import DeepseekV4MTPForDrafting
+from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
 from ..sharegpt import Conversation, load_conversations
 from ..targets.deepseek_v4 import DeepseekV4Target
 from ..testing import randomize_hash_table
 from ..training.curves import plot_curves
 from ..training.loop import LoopConfig, run_training
+from . import DRAFTER_KINDS
 from .config import SEQUENCE_LENGTH, reference_target_config
 
 ASSETS = Path(__file__).parent / "assets"
 THINKING_PERCENT = 25  # share of training conversations rendered in thinking mode
-TARGET_LOOP = LoopConfig(total_steps=2000, batch_size=4, learning_rate=2e-3, warmup_steps=100, checkpoint_every=100)
+# Two warm-restart cycles of 2000 steps: the first cycle alone left the greedy replies looping (docs/reference.md).
+TARGET_LOOP = LoopConfig(
+    total_steps=4000, cycle_steps=2000, batch_size=4, learning_rate=2e-3, warmup_steps=100, checkpoint_every=100
+)
 MTP_LOOP = LoopConfig(total_steps=800, batch_size=4, learning_rate=2e-3, warmup_steps=50, checkpoint_every=100, seed=1)
 
 
@@ -156,17 +162,36 @@ def export_bf16(model_class: type[PreTrainedModel], source: Path, destination: P
     model.save_pretrained(destination, safe_serialization=True)
 
 
+def export_drafters(drafters_dir: Path, out: Path) -> None:
+    """Ship the drafters that `configs/reference_drafter_<kind>.json` trained into `drafters_dir/<kind>`."""
+    for kind in DRAFTER_KINDS:
+        source = drafters_dir / kind / "drafter"
+        if not (source / "config.json").exists():
+            raise ValueError(
+                f"No trained {kind} drafter at {source}; run "
+                f"`hyperdflash train --config configs/reference_drafter_{kind}.json` first."
+            )
+        export_bf16(HyperDFlashForDrafting, source, out / f"drafter_{kind}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", type=Path, default=Path("runs/reference"), help="checkpoints, logs, caches")
     parser.add_argument("--out", type=Path, default=ASSETS, help="where the bf16 model set is exported")
     parser.add_argument(
-        "--stages", default="tokenizer,target,mtp", help="comma-separated subset of: tokenizer,target,mtp"
+        "--stages", default="tokenizer,target,mtp", help="comma-separated subset of: tokenizer,target,mtp,drafters"
+    )
+    parser.add_argument(
+        "--drafters-dir", type=Path, default=Path("runs/reference_drafters"), help="trained drafters (drafters stage)"
     )
     args = parser.parse_args(argv)
     stages = set(args.stages.split(","))
+    unknown = stages - {"tokenizer", "target", "mtp", "drafters"}
+    if unknown:
+        raise ValueError(f"Unknown stages {sorted(unknown)}; choose from tokenizer,target,mtp,drafters.")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    tokenizer = build_tokenizer(args.work_dir / "tokenizer")
+    if stages & {"tokenizer", "target", "mtp"}:
+        tokenizer = build_tokenizer(args.work_dir / "tokenizer")
     if "tokenizer" in stages:
         tokenizer.save_pretrained(args.out / "tokenizer")
     if "target" in stages:
@@ -174,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         export_bf16(DeepseekV4ForCausalLM, target_dir, args.out / "target")
     if "mtp" in stages:
         export_bf16(DeepseekV4MTPForDrafting, train_mtp(tokenizer, args.work_dir), args.out / "mtp")
+    if "drafters" in stages:
+        export_drafters(args.drafters_dir, args.out)
 
 
 if __name__ == "__main__":
