@@ -31,6 +31,7 @@ from . import DRAFTER_KINDS
 from .config import SEQUENCE_LENGTH, reference_target_config
 
 ASSETS = Path(__file__).parent / "assets"
+STAGES = ("tokenizer", "target", "mtp", "drafters")
 THINKING_PERCENT = 25  # share of training conversations rendered in thinking mode
 # Two warm-restart cycles of 2000 steps: the first cycle alone left the greedy replies looping (docs/reference.md).
 TARGET_LOOP = LoopConfig(
@@ -163,7 +164,7 @@ def export_bf16(model_class: type[PreTrainedModel], source: Path, destination: P
 
 
 def export_drafters(drafters_dir: Path, out: Path) -> None:
-    """Ship the drafters that `configs/reference_drafter_<kind>.json` trained into `drafters_dir/<kind>`."""
+    """Export `drafters_dir/<kind>/drafter`, as trained by `configs/reference_drafter_<kind>.json`, to `out`."""
     for kind in DRAFTER_KINDS:
         source = drafters_dir / kind / "drafter"
         if not (source / "config.json").exists():
@@ -179,16 +180,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", type=Path, default=Path("runs/reference"), help="checkpoints, logs, caches")
     parser.add_argument("--out", type=Path, default=ASSETS, help="where the bf16 model set is exported")
     parser.add_argument(
-        "--stages", default="tokenizer,target,mtp", help="comma-separated subset of: tokenizer,target,mtp,drafters"
+        "--stages", default="tokenizer,target,mtp", help=f"comma-separated subset of: {','.join(STAGES)}"
     )
     parser.add_argument(
         "--drafters-dir", type=Path, default=Path("runs/reference_drafters"), help="trained drafters (drafters stage)"
     )
     args = parser.parse_args(argv)
     stages = set(args.stages.split(","))
-    unknown = stages - {"tokenizer", "target", "mtp", "drafters"}
+    unknown = stages - set(STAGES)
     if unknown:
-        raise ValueError(f"Unknown stages {sorted(unknown)}; choose from tokenizer,target,mtp,drafters.")
+        raise ValueError(f"Unknown stages {sorted(unknown)}; choose from {','.join(STAGES)}.")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if stages & {"tokenizer", "target", "mtp"}:
         tokenizer = build_tokenizer(args.work_dir / "tokenizer")
