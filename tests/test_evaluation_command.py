@@ -66,11 +66,14 @@ def test_help_explains_every_option(capsys):
 
 
 def test_flags_are_checked_when_parsed():
-    for bad in (["--drafter", "nodir"], ["--datasets", "gsm9k"], ["--repeats", "0"], ["--temperatures", "-1"]):
+    bad_flags = (["--drafter", "nodir"], ["--datasets", "gsm9k"], ["--repeats", "0"], ["--temperatures", "-1"])
+    for bad in (*bad_flags, ["--tau-ratio", "hyperdflash"], ["--tau-ratio", "/mtp-k3"]):
         with pytest.raises(SystemExit):
             parse([*bad, "--output-dir", "out"])
     args = parse(["--output-dir", "out", "--datasets", "gsm8k=x.jsonl", "humaneval", "--draft-tokens", "a=3"])
     assert args.datasets == [("gsm8k", "x.jsonl"), ("humaneval", None)] and args.draft_tokens == [("a", 3)]
+    ratios = parse(["--output-dir", "out", "--tau-ratio", "a/b", "--tau-ratio", "a/c"]).tau_ratio
+    assert ratios == [("a", "b"), ("a", "c")]
 
 
 def test_missing_shipped_models_are_skipped_with_a_note(monkeypatch, tmp_path):
@@ -123,7 +126,11 @@ def test_end_to_end_run_writes_the_report_and_passes(model_dirs, tmp_path, capsy
     settings = {(s["temperature"], s["thinking"]) for s in data["settings"]}
     assert settings == {(0.0, False), (0.0, True), (1.0, False), (1.0, True)}
     assert data["run"]["methods"] == ["plain", "mtp-k2", "hyperdflash"]
+    assert "| hyperdflash / mtp-k2 |" in printed  # the default paired ratio
     for setting in data["settings"]:
+        assert [(r["numerator"], r["denominator"], r["prompts"]) for r in setting["tau_ratios"]] == [
+            ("hyperdflash", "mtp-k2", 2)
+        ]
         for method in setting["methods"]:
             assert method["prompts"] == 2
             assert method["lossless"] == method["compared"] == (2 if setting["temperature"] == 0 else 0)
@@ -134,3 +141,10 @@ def test_a_greedy_output_that_differs_fails_the_command(model_dirs, tmp_path, mo
     args = _eval_args(model_dirs, tmp_path, "--temperatures", "0", "--modes", "non-thinking", "--max-new-tokens", "12")
     assert command.run_eval(args) == 1
     assert "NOT LOSSLESS: mtp-k2 (gsm8k, T=0, non-thinking), hyperdflash" in capsys.readouterr().out
+
+
+def test_a_tau_ratio_of_an_unknown_method_is_refused_before_decoding(model_dirs, tmp_path):
+    args = _eval_args(model_dirs, tmp_path, "--tau-ratio", "hyperdflash/vanilla_dflash")
+    with pytest.raises(ValueError, match=r"no speculative method named \['vanilla_dflash'\]; choose from"):
+        command.run_eval(args)
+    assert not (tmp_path / REPORT_FILES["json"]).exists()

@@ -16,6 +16,10 @@ def _result(name: str, accepted: list[int], proposed: list[int], lossless: int =
     result.new_tokens = sum(accepted) + len(accepted) if accepted else 40
     result.target_forwards = len(accepted) if accepted else 40
     result.tokens_per_second, result.speed_ratios = [20.0, 30.0], [1.0, 1.0] if not accepted else [1.5, 2.5]
+    half = len(accepted) // 2  # the first prompt's steps, then the second's
+    result.runs = [
+        {"accepted_drafts": sum(part), "verify_steps": len(part)} for part in (accepted[:half], accepted[half:])
+    ]
     if accepted:
         result.timed_steps = len(accepted)
         result.latency_seconds = {"step": 0.1 * len(accepted), "draft": 0.02, "verify": 0.05, "rollback": 0.001}
@@ -42,7 +46,11 @@ def results():
         _result("mtp-k3", [3, 1, 0, 2], [3, 3, 3, 3]),
         _result("hyperdflash", [7, 5, 7], [7, 7, 7], lossless=1),
     ]
-    sampled = [_result("plain", [], [], 0, 0), _result("mtp-k3", [2, 2], [3, 3], 0, 0)]
+    sampled = [
+        _result("plain", [], [], 0, 0),
+        _result("mtp-k3", [2, 2], [3, 3], 0, 0),
+        _result("hyperdflash", [3, 4], [7, 7], 0, 0),
+    ]
     return [
         SettingResult(Setting("humaneval", 0.0, False), greedy),
         SettingResult(Setting("humaneval", 1.0, True), sampled),
@@ -62,6 +70,7 @@ RUN = {
     "dtype": "float32",
     "device": "cpu",
     "notes": ["skipped vanilla_dflash: the shipped reference vanilla_dflash is not installed"],
+    "tau_ratios": [("hyperdflash", "mtp-k3")],
 }
 
 
@@ -79,6 +88,10 @@ def test_markdown_has_a_row_per_method_and_flags_the_failure(results, tmp_path):
     assert rows["hyperdflash"][-1] == "1/2 ✗ |" and rows["plain"][2] == "–"
     assert "n/a (sampled)" in markdown
     assert "NOT LOSSLESS: hyperdflash (humaneval, T=0, non-thinking)" in markdown
+    _, ratios = _first_table(markdown, "| ratio |")
+    # tau 7.33 / 2.50; a resample of two prompts is (1, 1): 8 / 3, (2, 2): 7 / 2, or a mix: the full ratio
+    assert ratios["hyperdflash / mtp-k3"][1:3] == ["2.93", "2.67–3.50 |"]
+    assert markdown.count("| ratio |") == 2  # one per setting
     header, latency = _first_table(markdown, "| method | ms/step |")
     assert list(latency) == ["mtp-k3", "hyperdflash"]  # plain has no verify steps
     assert latency["mtp-k3"][1:3] == ["100.00", "5.00 (5%)"]  # 0.4 s over 4 steps; draft 20 ms over 4 steps
@@ -101,6 +114,9 @@ def test_json_is_strict_and_complete(results, tmp_path):
     assert expected_keys <= set(mtp)
     assert mtp["tau"] == 2.5 and mtp["speedup"] == 2.0
     assert set(mtp["latency_ms"]) == {"step", "draft", "verify", "rollback", "other"}
+    (ratio,) = first["tau_ratios"]
+    assert (ratio["numerator"], ratio["denominator"], ratio["prompts"]) == ("hyperdflash", "mtp-k3", 2)
+    assert ratio["ratio"] == pytest.approx((19 + 3) / 3 / 2.5) and ratio["low"] <= ratio["ratio"] <= ratio["high"]
 
 
 def test_acceptance_plot_is_a_png(results, tmp_path):

@@ -72,11 +72,14 @@ def test_greedy_methods_are_counted_lossless_with_pooled_stats(target, drafters,
         assert result.new_tokens == 2 * 2 * MAX_NEW_TOKENS  # prompts x repeats x tokens
         assert len(result.speed_ratios) == len(result.tokens_per_second) == 2
         assert all(run["identical_to_plain"] and len(run["seconds"]) == 2 for run in result.runs)
+        assert sum(run["accepted_drafts"] for run in result.runs) == sum(result.accepted_per_step)
+        assert sum(run["verify_steps"] for run in result.runs) == len(result.accepted_per_step)
     assert plain.forwards_per_token == 1.0 and plain.speedup == 1.0 and plain.latency_ms == {}
     assert drafters["mtp"].generation_config.num_assistant_tokens == 3  # the override was undone
     assert len(untrained.acceptance_per_position) == 3 and len(mtp.acceptance_per_position) == 2
     assert mtp.num_draft_tokens == 2 and oracle.num_draft_tokens == 3
     assert oracle.tau > 1.5 and oracle.forwards_per_token < 0.8
+    assert all(run["verify_steps"] > 0 for run in oracle.runs)  # each prompt's own tau is available
     assert oracle.tau == pytest.approx(sum(oracle.accepted_per_step) / len(oracle.accepted_per_step) + 1)
     assert oracle.timed_steps == len(oracle.accepted_per_step)
 

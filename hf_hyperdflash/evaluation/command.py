@@ -6,7 +6,8 @@
 
 For each prompt set, chat mode (--modes) and temperature (--temperatures), every method decodes every prompt
 --repeats times, interleaved per prompt; tau, acceptance per draft position, target forwards per token, tokens/s,
-speedup over plain decoding (medians) and a per-step latency split are reported. Greedy (T=0) outputs must be
+speedup over plain decoding (medians), paired tau ratios with bootstrap intervals (--tau-ratio) and a per-step
+latency split are reported. Greedy (T=0) outputs must be
 token-identical to plain decoding: the command exits with status 1 if any differs. T=1 samples with fixed seeds
 per prompt and repeat (losslessness in distribution is benchmarks/lossless.py's job).
 
@@ -31,6 +32,7 @@ from .. import reference
 from ..training.trainer import load_target
 from .datasets import PROMPT_SETS, load_prompt_set
 from .harness import build_methods, evaluate, reference_drafter_dirs, reference_mtp_dir
+from .paired import default_tau_ratio_pairs
 from .report import REPORT_FILES, machine_description, write_report
 
 MODES = {"non-thinking": False, "thinking": True}
@@ -61,6 +63,13 @@ def _temperature(text: str) -> float:
 def _draft_length(text: str) -> tuple[str, int]:
     name, count = _named(text)
     return name, _positive_int(count)
+
+
+def _method_pair(text: str) -> tuple[str, str]:
+    numerator, separator, denominator = text.partition("/")
+    if not separator or not numerator or not denominator:
+        raise argparse.ArgumentTypeError(f"expected NUMERATOR/DENOMINATOR method names, got {text!r}")
+    return numerator, denominator
 
 
 def _dataset(text: str) -> tuple[str, str | None]:
@@ -162,6 +171,15 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     decoding.add_argument("--seed", type=int, default=0, help="Base of the per-prompt/repeat sampling seeds.")
 
     parser.add_argument(
+        "--tau-ratio",
+        type=_method_pair,
+        action="append",
+        metavar="NUM/DEN",
+        help="Report tau(NUM) / tau(DEN) with a 95%% paired bootstrap interval over prompts (repeatable; method "
+        "names as in the table, e.g. hyperdflash/mtp-k3). Default: hyperdflash over every other speculative method.",
+    )
+
+    parser.add_argument(
         "--output-dir", type=Path, required=True, help="Where report.md, results.json, acceptance.png go."
     )
     return parser
@@ -193,6 +211,20 @@ def _models(args: argparse.Namespace, notes: list[str]) -> tuple[str, str, Path 
     return target, args.tokenizer or tokenizer, mtp, drafters
 
 
+def _ratio_pairs(requested: list[tuple[str, str]] | None, names: list[str]) -> list[tuple[str, str]]:
+    """The --tau-ratio pairs, checked against the methods; by default hyperdflash over every other one."""
+    if requested is None:
+        return default_tau_ratio_pairs(names)
+    speculative = names[1:]
+    for pair in requested:
+        unknown = [name for name in pair if name not in speculative]
+        if unknown:
+            raise ValueError(
+                f"--tau-ratio {'/'.join(pair)}: no speculative method named {unknown}; choose from {speculative}."
+            )
+    return requested
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """Run the evaluation, write and print the report; 1 if a greedy output differs from plain decoding, else 0."""
     if args.threads:
@@ -213,6 +245,7 @@ def run_eval(args: argparse.Namespace) -> int:
     target = load_target(target_path, device, args.dtype)
     mtp_steps = args.mtp_steps if mtp_dir else []
     methods = build_methods(target, mtp_dir, mtp_steps, drafter_dirs, dict(args.draft_tokens), dtype)
+    ratio_pairs = _ratio_pairs(args.tau_ratio, [method.name for method in methods])
     results = evaluate(
         target,
         tokenizer,
@@ -239,6 +272,7 @@ def run_eval(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "device": device,
         "notes": notes,
+        "tau_ratios": ratio_pairs,
     }
     print(write_report(results, run, args.output_dir))
     print(f"written: {', '.join(str(args.output_dir / name) for name in REPORT_FILES.values())}")

@@ -3,12 +3,14 @@
 Markdown columns: tau (mean accepted length per verify step, bonus token included), acceptance at each draft
 position k (the share of steps that drafted position k whose drafts were all accepted up to k), target forwards
 per generated token, median tokens/s, speedup (median over prompts of tokens/s over plain decoding's), and
-lossless (greedy outputs token-identical to plain decoding, N/N prompts). A second table splits the mean verify
-step into drafting, the target's verify forward, the cache rollback and the rest.
+lossless (greedy outputs token-identical to plain decoding, N/N prompts). A second table gives the tau ratios of
+the pairs in `run["tau_ratios"]` with paired bootstrap intervals over prompts; a third splits the mean verify step
+into drafting, the target's verify forward, the cache rollback and the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +21,8 @@ import torch
 import transformers
 
 from .harness import SettingResult
-from .runner import LATENCY_PARTS, MethodResult
+from .paired import TauRatio, paired_tau_ratio
+from .runner import LATENCY_PARTS, MethodResult, finite_or_none
 
 REPORT_FILES = {"markdown": "report.md", "json": "results.json", "plot": "acceptance.png"}
 
@@ -76,6 +79,20 @@ def _method_table(results: list[MethodResult]) -> list[str]:
     return lines
 
 
+def tau_ratios(result: SettingResult, pairs: list[tuple[str, str]]) -> list[TauRatio]:
+    """The paired tau ratio of each (numerator, denominator) method pair in this setting."""
+    by_name = {method.name: method for method in result.methods}
+    return [paired_tau_ratio(by_name[numerator], by_name[denominator]) for numerator, denominator in pairs]
+
+
+def _ratio_table(ratios: list[TauRatio]) -> list[str]:
+    lines = [f"| ratio | tau ratio | {100 * ratios[0].confidence:g}% CI |", "|---|---|---|"]
+    for ratio in ratios:
+        interval = "–" if math.isnan(ratio.low) else f"{ratio.low:.2f}–{ratio.high:.2f}"
+        lines.append(f"| {ratio.label} | {_number(ratio.ratio)} | {interval} |")
+    return lines
+
+
 def _latency_table(results: list[MethodResult]) -> list[str]:
     parts = [*LATENCY_PARTS, "other"]
     lines = ["| method | ms/step | " + " | ".join(parts) + " |", "|" + "---|" * (len(parts) + 2)]
@@ -111,6 +128,10 @@ def markdown_report(results: list[SettingResult], run: dict) -> str:
     for result in results:
         plain = result.methods[0]
         lines += ["", f"## {result.setting.label} ({plain.prompts} prompts)", "", *_method_table(result.methods)]
+        ratios = tau_ratios(result, run["tau_ratios"])
+        if ratios:
+            lines += ["", "Paired tau ratios (bootstrap interval over prompts, both methods resampled together):", ""]
+            lines += _ratio_table(ratios)
         if any(method.latency_ms for method in result.methods):
             plain_ms = 1000 / plain.median_tokens_per_second
             lines += ["", f"Mean verify step (ms, share); plain decoding: {plain_ms:.2f} ms per token.", ""]
@@ -119,6 +140,11 @@ def markdown_report(results: list[SettingResult], run: dict) -> str:
     verdict = f"NOT LOSSLESS: {', '.join(failures)}" if failures else "every greedy output equals plain decoding"
     lines += ["", f"Lossless check (T=0): {verdict}.", ""]
     return "\n".join(lines)
+
+
+def _ratio_json(ratio: TauRatio) -> dict:
+    fields = dataclasses.asdict(ratio)
+    return {key: finite_or_none(value) if isinstance(value, float) else value for key, value in fields.items()}
 
 
 def results_json(results: list[SettingResult], run: dict) -> dict:
@@ -130,6 +156,7 @@ def results_json(results: list[SettingResult], run: dict) -> dict:
                 "temperature": r.setting.temperature,
                 "thinking": r.setting.thinking,
                 "methods": [method.as_dict() for method in r.methods],
+                "tau_ratios": [_ratio_json(ratio) for ratio in tau_ratios(r, run["tau_ratios"])],
             }
             for r in results
         ],

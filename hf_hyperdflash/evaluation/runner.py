@@ -39,6 +39,11 @@ class Method:
     context: Callable[[torch.LongTensor], AbstractContextManager] | None = None
 
 
+def finite_or_none(value: float) -> float | None:
+    """NaN as None: standard JSON has no NaN."""
+    return None if math.isnan(value) else value
+
+
 @dataclass
 class MethodResult:
     """What one method did on a list of prompts, pooled over prompts and repeats."""
@@ -56,7 +61,7 @@ class MethodResult:
     timed_steps: int = 0
     tokens_per_second: list[float] = field(default_factory=list)  # per prompt: median over repeats
     speed_ratios: list[float] = field(default_factory=list)  # per prompt: tokens/s over plain decoding's
-    runs: list[dict] = field(default_factory=list)  # per prompt: tokens, seconds, identical
+    runs: list[dict] = field(default_factory=list)  # per prompt: tokens, seconds, drafts accepted, identical
 
     def record(self, stats: dict) -> None:
         """Add the `last_generation_stats` of one `generate` call."""
@@ -108,21 +113,17 @@ class MethodResult:
 
     def as_dict(self) -> dict:
         """Every summary number (NaN as None, so the JSON stays standard) and the raw per-step/prompt data."""
-
-        def finite(value: float) -> float | None:
-            return None if math.isnan(value) else value
-
         return {
             "name": self.name,
             "prompts": self.prompts,
             "compared": self.compared,
             "lossless": self.lossless,
             "num_draft_tokens": self.num_draft_tokens,
-            "tau": finite(self.tau),
+            "tau": finite_or_none(self.tau),
             "acceptance_per_position": self.acceptance_per_position,
-            "forwards_per_token": finite(self.forwards_per_token),
-            "tokens_per_second": finite(self.median_tokens_per_second),
-            "speedup": finite(self.speedup),
+            "forwards_per_token": finite_or_none(self.forwards_per_token),
+            "tokens_per_second": finite_or_none(self.median_tokens_per_second),
+            "speedup": finite_or_none(self.speedup),
             "latency_ms": self.latency_ms,
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
@@ -188,6 +189,11 @@ def _plain_stats(new_tokens: int, target_forwards: int) -> dict:
     return {"num_draft_tokens": 0, "new_tokens": new_tokens, "target_forwards": target_forwards, **no_steps}
 
 
+def _prompt_record(prompt_tokens: int) -> dict:
+    """One method's record of one prompt; drafts and verify steps sum over repeats, giving the prompt's own tau."""
+    return {"prompt_tokens": prompt_tokens, "new_tokens": [], "seconds": [], "accepted_drafts": 0, "verify_steps": 0}
+
+
 @torch.no_grad()
 def warm_up(target: PreTrainedModel, methods: list[Method], input_ids: torch.LongTensor) -> None:
     """One short untimed run per method, so one-off costs (allocations, lazy init) stay out of the timings."""
@@ -214,7 +220,7 @@ def run_methods(
     greedy = temperature == 0
     for index, input_ids in enumerate(prompts):
         outputs: list[list[torch.Tensor]] = [[] for _ in methods]
-        runs = [{"prompt_tokens": input_ids.shape[1], "new_tokens": [], "seconds": []} for _ in methods]
+        runs = [_prompt_record(input_ids.shape[1]) for _ in methods]
         for repeat in range(repeats):
             shift = repeat % len(methods)
             for m in [*range(shift, len(methods)), *range(shift)]:
@@ -224,6 +230,8 @@ def run_methods(
                 outputs[m].append(output)
                 runs[m]["new_tokens"].append(stats["new_tokens"])
                 runs[m]["seconds"].append(seconds)
+                runs[m]["accepted_drafts"] += sum(stats["accepted_per_step"])
+                runs[m]["verify_steps"] += len(stats["accepted_per_step"])
                 if progress is not None:
                     progress.update(1)
         speeds = [statistics.median(n / s for n, s in zip(r["new_tokens"], r["seconds"], strict=True)) for r in runs]

@@ -1,0 +1,60 @@
+"""Paired tau ratios: the pooled ratio, its bootstrap interval over prompts, and the checks on what is compared."""
+
+import math
+
+import pytest
+
+from hf_hyperdflash.evaluation.paired import default_tau_ratio_pairs, paired_tau_ratio
+from hf_hyperdflash.evaluation.runner import MethodResult
+
+
+def _method(name: str, accepted: list[int], steps: list[int]) -> MethodResult:
+    result = MethodResult(name=name, prompts=len(steps))
+    result.runs = [{"accepted_drafts": a, "verify_steps": s} for a, s in zip(accepted, steps, strict=True)]
+    return result
+
+
+def test_the_ratio_pools_prompts_like_tau():
+    fast = _method("fast", [30, 5, 12], [10, 5, 4])  # tau (47 + 19) / 19
+    slow = _method("slow", [10, 2, 6], [10, 5, 4])  # tau (18 + 19) / 19
+    ratio = paired_tau_ratio(fast, slow)
+    assert ratio.ratio == pytest.approx(66 / 37)
+    assert ratio.low <= ratio.ratio <= ratio.high and ratio.prompts == 3 and ratio.confidence == 0.95
+    assert ratio.label == "fast / slow"
+
+
+def test_pairing_removes_the_spread_both_methods_share():
+    # Prompts range from easy to hard, but on each one `a` accepts exactly 1.5x what `b` accepts per step.
+    steps = [10, 12, 8, 10, 11, 9]
+    per_step_b = [0.5, 3.0, 1.0, 5.0, 2.0, 0.2]
+    b = _method("b", [round(p * s, 6) for p, s in zip(per_step_b, steps, strict=True)], steps)
+    a = _method("a", [round((1.5 * (p + 1) - 1) * s, 6) for p, s in zip(per_step_b, steps, strict=True)], steps)
+    ratio = paired_tau_ratio(a, b)
+    assert ratio.ratio == pytest.approx(1.5)
+    assert ratio.low == pytest.approx(1.5) and ratio.high == pytest.approx(1.5)
+
+
+def test_a_mixed_comparison_gets_an_interval_around_one():
+    a = _method("a", [20, 5, 18, 6, 15, 7, 19, 4], [10] * 8)
+    b = _method("b", [6, 18, 5, 20, 7, 16, 5, 17], [10] * 8)
+    ratio = paired_tau_ratio(a, b, seed=3)
+    assert ratio.low < 1 < ratio.high and ratio.high - ratio.low > 0.2
+    assert paired_tau_ratio(a, b, seed=3) == ratio  # seeded
+
+
+def test_one_prompt_has_a_ratio_but_no_interval():
+    ratio = paired_tau_ratio(_method("a", [6], [2]), _method("b", [2], [2]))
+    assert ratio.ratio == 2.0 and math.isnan(ratio.low) and math.isnan(ratio.high)
+
+
+def test_what_cannot_be_compared_is_refused():
+    with pytest.raises(ValueError, match="'plain' has prompts without verify steps"):
+        paired_tau_ratio(_method("a", [4, 4], [2, 2]), _method("plain", [0, 0], [0, 0]))
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_tau_ratio(_method("a", [4, 4], [2, 2]), _method("b", [4], [2]))
+
+
+def test_default_pairs_put_hyperdflash_over_every_other_speculative_method():
+    names = ["plain", "mtp-k1", "vanilla_dflash", "hyperdflash"]
+    assert default_tau_ratio_pairs(names) == [("hyperdflash", "mtp-k1"), ("hyperdflash", "vanilla_dflash")]
+    assert default_tau_ratio_pairs(["plain", "mtp-k1"]) == []
