@@ -1,5 +1,6 @@
 """The shipped reference set: loadable offline, mutually consistent, bf16, within budget, code in sync."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,9 @@ from transformers import AutoConfig
 
 import hf_hyperdflash
 from hf_hyperdflash import HyperDFlashForDrafting, reference
-from hf_hyperdflash.reference.build import export_drafters
+from hf_hyperdflash.reference.build import export_drafters, train_language_model
 from hf_hyperdflash.testing import tiny_deepseek_v4
+from hf_hyperdflash.training.loop import LoopConfig
 
 MODELING_SOURCES = Path(hf_hyperdflash.modeling.__file__).parent
 ASSET_DIRS = [reference.target_path(), reference.mtp_path(), *map(reference.drafter_path, reference.DRAFTER_KINDS)]
@@ -76,3 +78,15 @@ def test_drafters_stage_ships_trained_drafters_as_bf16(tmp_path):
         assert shipped.dtype == torch.bfloat16 and shipped.config.conditioning == drafter.config.conditioning
         for name, value in drafter.state_dict().items():
             torch.testing.assert_close(shipped.state_dict()[name], value.to(torch.bfloat16))
+
+
+def test_language_model_training_lowers_the_loss_and_plots_it(tmp_path):
+    torch.manual_seed(0)
+    chunks = torch.randint(3, 40, (8, 16)).repeat(1, 2)  # each row repeats itself: learnable in a few steps
+    target = tiny_deepseek_v4(seed=0)
+    loop = LoopConfig(total_steps=12, batch_size=4, learning_rate=3e-3, warmup_steps=1, log_every=1)
+    train_language_model(target, chunks, tmp_path / "run", loop, title="tiny")
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    lm_losses = [row["lm_loss"] for row in log if "lm_loss" in row]
+    assert len(lm_losses) == 12 and lm_losses[-1] < lm_losses[0]
+    assert (tmp_path / "run" / "loss.png").read_bytes().startswith(b"\x89PNG")

@@ -93,21 +93,28 @@ def _target_losses(model: DeepseekV4ForCausalLM, batch: dict[str, torch.Tensor])
     return {"loss": out.loss, "lm_loss": out.loss - model.router_aux_loss_coef * out.aux_loss}
 
 
+def train_language_model(
+    model: DeepseekV4ForCausalLM, chunks: torch.Tensor, run_dir: Path, loop: LoopConfig, title: str
+) -> DeepseekV4ForCausalLM:
+    """Next-token training on the packed rows (resumes from `run_dir`), with a loss plot next to the log."""
+    examples = [{"input_ids": row} for row in chunks]
+    model = run_training(model, examples, _collate_tokens, _target_losses, run_dir, loop, description=title)
+    plot_curves({title: run_dir / "log.jsonl"}, run_dir / "loss.png", title=title)
+    return model
+
+
 def train_target(tokenizer: PreTrainedTokenizerFast, work_dir: Path, loop: LoopConfig = TARGET_LOOP) -> Path:
     final = work_dir / "target"
     if (final / "config.json").exists():
         return final
-    chunks = packed_chunks(tokenizer, work_dir / "target_chunks.pt")
-    examples = [{"input_ids": row} for row in chunks]
     config = reference_target_config(
         len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     )
     torch.manual_seed(loop.seed)
     model = DeepseekV4ForCausalLM(config).float()
     randomize_hash_table(model, seed=loop.seed)
-    run_dir = work_dir / "target_run"
-    model = run_training(model, examples, _collate_tokens, _target_losses, run_dir, loop, description="target")
-    plot_curves({"target": run_dir / "log.jsonl"}, run_dir / "loss.png", title="reference target")
+    chunks = packed_chunks(tokenizer, work_dir / "target_chunks.pt")
+    model = train_language_model(model, chunks, work_dir / "target_run", loop, title="reference target")
     model.save_pretrained(final)
     return final
 
