@@ -7,9 +7,9 @@
 For each prompt set, chat mode (--modes) and temperature (--temperatures), every method decodes every prompt
 --repeats times, interleaved per prompt; tau, acceptance per draft position, target forwards per token, tokens/s,
 speedup over plain decoding (medians), paired tau ratios with bootstrap intervals (--tau-ratio) and a per-step
-latency split are reported. Greedy (T=0) outputs must be
-token-identical to plain decoding: the command exits with status 1 if any differs. T=1 samples with fixed seeds
-per prompt and repeat (losslessness in distribution is benchmarks/lossless.py's job).
+latency split are reported. Greedy (T=0) outputs must be token-identical to plain decoding: the command exits with
+status 1 if any differs. T=1 samples with fixed seeds per prompt and repeat (losslessness in distribution is
+benchmarks/lossless.py's job).
 
 Defaults: the shipped reference target, tokenizer, native MTP and drafters (with --target: only the models
 named by flags); a shipped model that is not installed is skipped with a printed note. Prompt sets: humaneval and
