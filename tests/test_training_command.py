@@ -2,6 +2,7 @@
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 from accelerate.state import AcceleratorState
@@ -33,6 +34,32 @@ def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
         resolve_settings(parse(["--config", str(config)]))
     with pytest.raises(ValueError, match="--output-dir"):
         resolve_settings(parse([]))
+
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflash.json, besides its output
+    "vanilla_dflash": {"drafter_kind"},
+    "dense_pre_collapse": {"reducer"},
+    "gate_intermediate": {"conditioning"},
+    "vanilla_layers_1_2": {"drafter_kind", "target_layer_ids"},
+    "no_kl": {"kl_weight"},
+    "gated_teacher": {"teacher"},
+    "block_4": {"block_size"},
+    "block_16": {"block_size"},
+    "sampled_replies": {"temperature", "data_dir"},
+}
+
+
+def test_shipped_configs_resolve_and_each_ablation_changes_one_thing():
+    for path in CONFIGS.rglob("*.json"):  # each writes to its own directory, named after the kind or ablation
+        output_dir = resolve_settings(parse(["--config", str(path)]))["output_dir"]
+        assert output_dir.endswith(path.stem.removeprefix("reference_drafter_")), path
+    base = resolve_settings(parse(["--config", str(CONFIGS / "ablations" / "hyperdflash.json")]))
+    assert sorted(ABLATED) == sorted(p.stem for p in (CONFIGS / "ablations").glob("*.json") if p.stem != "hyperdflash")
+    for name, changed in ABLATED.items():
+        settings = resolve_settings(parse(["--config", str(CONFIGS / "ablations" / f"{name}.json")]))
+        differences = {key for key in settings if settings[key] != base[key]} - {"output_dir"}
+        assert differences == changed, name
 
 
 def test_every_option_has_a_flag_and_help():
