@@ -121,6 +121,18 @@ def test_sampled_replies_and_thinking_mode(target, tokenizer, tmp_path):
     assert tokenizer.decode(thinking).endswith("<think>") and tokenizer.decode(plain).endswith("</think>")
 
 
+def test_sampling_ignores_the_targets_top_k(target, tokenizer, tmp_path, monkeypatch):
+    """T=1 replies come from the whole distribution, as in `hyperdflash eval`: with the target's generation
+    config asking for top_k=1, honouring it would make every sampled reply the greedy one."""
+    monkeypatch.setattr(target.generation_config, "top_k", 1)
+    generate(target, tokenizer, tmp_path / "greedy")
+    generate(target, tokenizer, tmp_path / "sampled", temperature=1.0)
+    greedy, sampled = records(tmp_path / "greedy"), records(tmp_path / "sampled")
+    assert sum(sampled[i]["input_ids"] != greedy[i]["input_ids"] for i in greedy) >= len(greedy) // 2
+    settings = json.loads((tmp_path / "sampled" / "settings.json").read_text())
+    assert settings["truncation"] == "none"
+
+
 def test_loader_cuts_to_max_length_and_drops_examples_without_reply(target, tokenizer, tmp_path):
     generate(target, tokenizer, tmp_path)
     shortest_prompt = min(len(encode_prompt(tokenizer, p, False)) for p in PROMPTS)

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..decoding import decoding_settings
 from ..generation import synchronized_clock
 
 LATENCY_PARTS = ("draft", "verify", "rollback")
@@ -133,13 +134,6 @@ class MethodResult:
             "speed_ratios": self.speed_ratios,
             "runs": self.runs,
         }
-
-
-def decoding_settings(temperature: float, max_new_tokens: int) -> dict:
-    """Greedy at T=0; plain sampling otherwise (no top-k/top-p, whatever the model's generation config says)."""
-    if temperature == 0:
-        return {"max_new_tokens": max_new_tokens, "do_sample": False}
-    return {"max_new_tokens": max_new_tokens, "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
 
 
 @contextmanager

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..decoding import decoding_settings
 from ..sharegpt import ROLE_NAMES, load_conversations
 
 Messages = list[dict[str, str]]
@@ -202,8 +203,8 @@ def generate_replies(
     """Answer every prompt not answered yet in `data_dir` with the target; this process takes every
     `world_size`-th prompt starting at `rank` and appends to its own shard.
 
-    `temperature` 0 decodes greedily; otherwise it samples at that temperature (other sampling settings, e.g.
-    top_p, come from the target's generation config). A batch is seeded by `seed` and its first prompt index.
+    `temperature` 0 decodes greedily; otherwise it samples at that temperature with no top-k/top-p (the
+    distribution `hyperdflash eval` samples at the same T). A batch is seeded by `seed` and its first prompt index.
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -215,6 +216,8 @@ def generate_replies(
         "enable_thinking": enable_thinking,
         "seed": seed,
     }
+    if temperature > 0:  # replies sampled before top-k/top-p were switched off must not be mixed in
+        settings["truncation"] = "none"
     shard = data_dir / f"shard-{rank:03d}.jsonl"
     # One writer per shard: a second job on the same data dir waits, then resumes from what the first wrote.
     with _exclusive(data_dir / f".shard-{rank:03d}.lock"):
@@ -252,7 +255,7 @@ def _answer(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = target.generation_config.eos_token_id if target.generation_config.eos_token_id is not None else []
     eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    sampling = decoding_settings(temperature, max_new_tokens)
     device = target.get_input_embeddings().weight.device
     progress = tqdm(total=len(pending), desc=f"target replies (rank {rank})", disable=not pending)
     for batch in _batches(pending, batch_size, mixed_lengths):
@@ -262,7 +265,6 @@ def _answer(
             output = target.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
-                max_new_tokens=max_new_tokens,
                 pad_token_id=pad_id,
                 **sampling,
             )
