@@ -19,6 +19,7 @@ and trains it on for `--steps` on the reference's packed rows. Then, as in READM
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -60,11 +61,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/deeper_target"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if (args.out / "target" / "config.json").exists():
+        print(f"already built: {args.out / 'target'}")
+        return
     order = [int(i) for i in args.order.split(",")]
     source = DeepseekV4ForCausalLM.from_pretrained(args.source, dtype=torch.float32)
     bad = [i for i in order if not 0 <= i < source.config.num_hidden_layers]
     if bad or not order:
         raise ValueError(f"--order must list source layers 0..{source.config.num_hidden_layers - 1}, got {order}.")
+    recorded = args.out / "order.json"  # a resumed run must continue the same growth
+    if recorded.exists() and json.loads(recorded.read_text()) != order:
+        raise ValueError(f"{args.out} holds a run grown with order {recorded.read_text()}; use another --out.")
+    args.out.mkdir(parents=True, exist_ok=True)
+    recorded.write_text(json.dumps(order))
     tokenizer = AutoTokenizer.from_pretrained(args.reference_dir / "tokenizer")
     chunks = packed_chunks(tokenizer, args.reference_dir / "target_chunks.pt")
     loop = LoopConfig(

@@ -72,8 +72,10 @@ def test_flags_are_checked_when_parsed():
             parse([*bad, "--output-dir", "out"])
     args = parse(["--output-dir", "out", "--datasets", "gsm8k=x.jsonl", "humaneval", "--draft-tokens", "a=3"])
     assert args.datasets == [("gsm8k", "x.jsonl"), ("humaneval", None)] and args.draft_tokens == [("a", 3)]
-    ratios = parse(["--output-dir", "out", "--tau-ratio", "a/b", "--tau-ratio", "a/c"]).tau_ratio
-    assert ratios == [("a", "b"), ("a", "c")]
+    ratios = parse(["--output-dir", "out", "--tau-ratio", "a/b", "--tau-ratio", "a/c", "--tau-ratio", "a/b"]).tau_ratio
+    assert command._ratio_pairs(ratios, ["plain", "a", "b", "c"]) == [("a", "b"), ("a", "c")]  # repeats once
+    with pytest.raises(ValueError, match="compares a method with itself"):
+        command._ratio_pairs([("a", "a")], ["plain", "a"])
 
 
 def test_missing_shipped_models_are_skipped_with_a_note(monkeypatch, tmp_path):

@@ -47,9 +47,21 @@ def test_one_prompt_has_a_ratio_but_no_interval():
     assert ratio.ratio == 2.0 and math.isnan(ratio.low) and math.isnan(ratio.high)
 
 
-def test_what_cannot_be_compared_is_refused():
-    with pytest.raises(ValueError, match="'plain' has prompts without verify steps"):
-        paired_tau_ratio(_method("a", [4, 4], [2, 2]), _method("plain", [0, 0], [0, 0]))
+def test_a_prompt_without_verify_steps_counts_for_nothing():
+    """A one-token reply has no verify step; it adds nothing to either sum, and the interval still exists (only a
+    resample made of such prompts alone would have no tau; with 12 prompts that never happens in practice)."""
+    steps = [3, 2, 3] * 3 + [3, 2]
+    a = _method("a", [0, *[9, 4, 6] * 3, 9, 4], [0, *steps])  # the first prompt: no verify step
+    b = _method("b", [1, *steps], [1, *steps])  # tau 2 on every prompt
+    with_empty = paired_tau_ratio(a, b)
+    assert with_empty.prompts == 12
+    assert with_empty.ratio == pytest.approx((70 + 29) / 29 / 2)
+    assert with_empty.low <= with_empty.ratio <= with_empty.high
+
+
+def test_undefined_ratios_are_nan_and_different_prompts_are_refused():
+    plain = paired_tau_ratio(_method("a", [4, 4], [2, 2]), _method("plain", [0, 0], [0, 0]))
+    assert math.isnan(plain.ratio) and math.isnan(plain.low)
     with pytest.raises(ValueError, match="same prompts"):
         paired_tau_ratio(_method("a", [4, 4], [2, 2]), _method("b", [4], [2]))
 

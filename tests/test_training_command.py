@@ -50,7 +50,7 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
 }
 
 
-def test_shipped_configs_resolve_and_each_ablation_changes_one_thing():
+def test_shipped_configs_resolve_and_each_ablation_changes_only_what_it_names():
     for path in CONFIGS.rglob("*.json"):  # each writes to its own directory, named after the kind or ablation
         output_dir = resolve_settings(parse(["--config", str(path)]))["output_dir"]
         assert output_dir.endswith(path.stem.removeprefix("reference_drafter_")), path

@@ -170,7 +170,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     decoding.add_argument("--seed", type=int, default=0, help="Base of the per-prompt/repeat sampling seeds.")
 
-    parser.add_argument(
+    report = parser.add_argument_group("report")
+    report.add_argument(
         "--tau-ratio",
         type=_method_pair,
         action="append",
@@ -178,8 +179,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Report tau(NUM) / tau(DEN) with a 95%% paired bootstrap interval over prompts (repeatable; method "
         "names as in the table, e.g. hyperdflash/mtp-k3). Default: hyperdflash over every other speculative method.",
     )
-
-    parser.add_argument(
+    report.add_argument(
         "--output-dir", type=Path, required=True, help="Where report.md, results.json, acceptance.png go."
     )
     return parser
@@ -222,7 +222,9 @@ def _ratio_pairs(requested: list[tuple[str, str]] | None, names: list[str]) -> l
             raise ValueError(
                 f"--tau-ratio {'/'.join(pair)}: no speculative method named {unknown}; choose from {speculative}."
             )
-    return requested
+        if pair[0] == pair[1]:
+            raise ValueError(f"--tau-ratio {'/'.join(pair)} compares a method with itself; name two methods.")
+    return list(dict.fromkeys(requested))  # a pair given twice is reported once
 
 
 def run_eval(args: argparse.Namespace) -> int:

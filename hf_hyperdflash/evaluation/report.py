@@ -105,8 +105,8 @@ def _latency_table(results: list[MethodResult]) -> list[str]:
     return lines
 
 
-def markdown_report(results: list[SettingResult], run: dict) -> str:
-    """The report as Markdown: how it was run, then one method table and one latency table per setting."""
+def markdown_report(results: list[SettingResult], run: dict, ratios: list[list[TauRatio]]) -> str:
+    """The report as Markdown: how it was run, then per setting the method, tau-ratio and latency tables."""
     machine = run["machine"]
     drafters = ", ".join(f"{name} ({path})" for name, path in run["drafters"].items())
     lines = [
@@ -125,13 +125,12 @@ def markdown_report(results: list[SettingResult], run: dict) -> str:
     ]
     if run["notes"]:
         lines += ["", "Notes:", *(f"- {note}" for note in run["notes"])]
-    for result in results:
+    for result, setting_ratios in zip(results, ratios, strict=True):
         plain = result.methods[0]
         lines += ["", f"## {result.setting.label} ({plain.prompts} prompts)", "", *_method_table(result.methods)]
-        ratios = tau_ratios(result, run["tau_ratios"])
-        if ratios:
-            lines += ["", "Paired tau ratios (bootstrap interval over prompts, both methods resampled together):", ""]
-            lines += _ratio_table(ratios)
+        if setting_ratios:
+            lines += ["", "Paired tau ratios (BCa bootstrap interval over prompts, both methods resampled together):"]
+            lines += ["", *_ratio_table(setting_ratios)]
         if any(method.latency_ms for method in result.methods):
             plain_ms = 1000 / plain.median_tokens_per_second
             lines += ["", f"Mean verify step (ms, share); plain decoding: {plain_ms:.2f} ms per token.", ""]
@@ -147,7 +146,7 @@ def _ratio_json(ratio: TauRatio) -> dict:
     return {key: finite_or_none(value) if isinstance(value, float) else value for key, value in fields.items()}
 
 
-def results_json(results: list[SettingResult], run: dict) -> dict:
+def results_json(results: list[SettingResult], run: dict, ratios: list[list[TauRatio]]) -> dict:
     return {
         "run": run,
         "settings": [
@@ -156,9 +155,9 @@ def results_json(results: list[SettingResult], run: dict) -> dict:
                 "temperature": r.setting.temperature,
                 "thinking": r.setting.thinking,
                 "methods": [method.as_dict() for method in r.methods],
-                "tau_ratios": [_ratio_json(ratio) for ratio in tau_ratios(r, run["tau_ratios"])],
+                "tau_ratios": [_ratio_json(ratio) for ratio in setting_ratios],
             }
-            for r in results
+            for r, setting_ratios in zip(results, ratios, strict=True)
         ],
     }
 
@@ -196,8 +195,10 @@ def write_report(results: list[SettingResult], run: dict, output_dir: str | Path
     """Write report.md, results.json and acceptance.png to `output_dir`; return the Markdown."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    markdown = markdown_report(results, run)
+    ratios = [tau_ratios(result, run["tau_ratios"]) for result in results]
+    markdown = markdown_report(results, run, ratios)
     (output_dir / REPORT_FILES["markdown"]).write_text(markdown)
-    (output_dir / REPORT_FILES["json"]).write_text(json.dumps(results_json(results, run), indent=1, allow_nan=False))
+    data = results_json(results, run, ratios)
+    (output_dir / REPORT_FILES["json"]).write_text(json.dumps(data, indent=1, allow_nan=False))
     plot_acceptance(results, output_dir / REPORT_FILES["plot"])
     return markdown
