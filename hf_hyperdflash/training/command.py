@@ -169,7 +169,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _option(data, "--max-prompt-chars", "Skip prompts longer than this many characters. Default: keep all.", type=int)
     _option(data, "--data-dir", "Where replies are stored (resumable). Default: OUTPUT_DIR/data.")
     _option(data, "--max-new-tokens", "Longest reply per prompt.", type=int)
-    _option(data, "--temperature", "Sampling temperature of the replies; 0 = greedy.", type=float)
+    _option(data, "--temperature", "Sampling temperature of the replies; 0 = greedy (no top-k/top-p).", type=float)
     _option(data, "--thinking", "Chat template in thinking mode (enable_thinking).", action=flag)
     _option(data, "--generation-batch-size", "Prompts per target.generate call.", type=int)
     _option(
