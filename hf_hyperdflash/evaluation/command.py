@@ -39,11 +39,16 @@ MODES = {"non-thinking": False, "thinking": True}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _two_parts(text: str, separator: str, form: str) -> tuple[str, str]:
+    """`text` split at the first `separator` into two non-empty parts; `form` names them in the error."""
+    first, found, second = text.partition(separator)
+    if not found or not first or not second:
+        raise argparse.ArgumentTypeError(f"expected {form}, got {text!r}")
+    return first, second
+
+
 def _named(text: str) -> tuple[str, str]:
-    name, separator, value = text.partition("=")
-    if not separator or not name or not value:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    return name, value
+    return _two_parts(text, "=", "NAME=VALUE")
 
 
 def _positive_int(text: str) -> int:
@@ -66,10 +71,7 @@ def _draft_length(text: str) -> tuple[str, int]:
 
 
 def _method_pair(text: str) -> tuple[str, str]:
-    numerator, separator, denominator = text.partition("/")
-    if not separator or not numerator or not denominator:
-        raise argparse.ArgumentTypeError(f"expected NUMERATOR/DENOMINATOR method names, got {text!r}")
-    return numerator, denominator
+    return _two_parts(text, "/", "NUMERATOR/DENOMINATOR method names")
 
 
 def _dataset(text: str) -> tuple[str, str | None]:

@@ -255,7 +255,7 @@ def _answer(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = target.generation_config.eos_token_id if target.generation_config.eos_token_id is not None else []
     eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-    sampling = decoding_settings(temperature, max_new_tokens)
+    decoding = decoding_settings(temperature, max_new_tokens)
     device = target.get_input_embeddings().weight.device
     progress = tqdm(total=len(pending), desc=f"target replies (rank {rank})", disable=not pending)
     for batch in _batches(pending, batch_size, mixed_lengths):
@@ -266,7 +266,7 @@ def _answer(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 pad_token_id=pad_id,
-                **sampling,
+                **decoding,
             )
         with shard.open("a") as handle:
             for (index, prompt_ids), row in zip(batch, output[:, input_ids.shape[1] :].tolist(), strict=True):
