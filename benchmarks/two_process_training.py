@@ -69,7 +69,7 @@ def launch_command(work_dir: Path, steps: int) -> list[str]:
     target_dir, prompts, eval_prompts = prepare(work_dir)
     return [
         *(sys.executable, "-m", "accelerate.commands.launch"),
-        *("--multi_gpu", "--num_processes", "2", "--num_machines", "1"),
+        *("--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0"),
         *("--mixed_precision", "no", "--dynamo_backend", "no"),
         *("-m", "hf_hyperdflash.training.command"),
         *("--target", str(target_dir), "--tokenizer", str(reference.tokenizer_path())),
@@ -117,7 +117,9 @@ def main() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     # `-m` puts the working directory first on sys.path; run from the work dir so a source checkout's
     # `hf_hyperdflash/` (whose `modeling` is mapped in only at install time) cannot shadow the installed package.
-    subprocess.run(command, check=True, env=env, cwd=work_dir)
+    launch = subprocess.run(command, env=env, cwd=work_dir)
+    if launch.returncode != 0:
+        sys.exit(f"two-process launch failed (exit code {launch.returncode}); see the failing rank's traceback above")
     seconds = time.perf_counter() - start
     records = [json.loads(line) for line in (work_dir / "out" / "run" / "log.jsonl").read_text().splitlines()]
     print(f"two-process run: {seconds:.1f} s wall (process start-up included), work dir {work_dir}")

@@ -88,10 +88,15 @@ def adamw(parameters: list[torch.nn.Parameter], config: LoopConfig) -> torch.opt
 
 
 def _save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, config: LoopConfig) -> None:
-    accelerator.wait_for_everyone()
+    """Every process writes its part into checkpoint.tmp, which replaces checkpoint only once all are done.
+
+    A leftover checkpoint.tmp (an interrupted save) is cleared *before* the barrier: after it, other processes
+    may already be writing their random states into the fresh one.
+    """
     tmp, final = run_dir / "checkpoint.tmp", run_dir / "checkpoint"
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
