@@ -92,10 +92,25 @@ def test_settings_mismatch_and_sharded_ranks(target, tokenizer, tmp_path):
     generate(target, tokenizer, tmp_path / "a")
     with pytest.raises(ValueError, match="temperature"):
         generate(target, tokenizer, tmp_path / "a", temperature=0.7)
+    generate(target, tokenizer, tmp_path / "sampled", temperature=0.7, seed=0)
+    with pytest.raises(ValueError, match="seed"):
+        generate(target, tokenizer, tmp_path / "sampled", temperature=0.7, seed=1)
     for rank in (0, 1):
         generate(target, tokenizer, tmp_path / "b", rank=rank, world_size=2)
     assert [len(p.read_text().splitlines()) for p in sorted((tmp_path / "b").glob("shard-*"))] == [3, 3]
     assert records(tmp_path / "b") == records(tmp_path / "a")
+
+
+def test_greedy_replies_serve_every_seed_even_when_an_older_version_recorded_one(target, tokenizer, tmp_path):
+    generate(target, tokenizer, tmp_path, seed=0)
+    replies = records(tmp_path)
+    settings_file = tmp_path / "settings.json"
+    assert "seed" not in json.loads(settings_file.read_text())
+    generate(target, tokenizer, tmp_path, seed=3)
+    settings_file.write_text(json.dumps({**json.loads(settings_file.read_text()), "seed": 0}))  # older versions
+    generate(target, tokenizer, tmp_path, seed=3)
+    assert records(tmp_path) == replies
+    assert len((tmp_path / "shard-000.jsonl").read_text().splitlines()) == len(PROMPTS), "a prompt was answered twice"
 
 
 def test_mixed_length_batches_are_left_padded(target, tokenizer, tmp_path):

@@ -143,6 +143,8 @@ def _check_settings(data_dir: Path, settings: dict, write: bool) -> None:
     path = data_dir / SETTINGS_FILE
     if path.exists():
         stored = json.loads(path.read_text())
+        if not stored.get("temperature"):  # older versions recorded the seed for greedy replies too
+            stored.pop("seed", None)
         if stored != settings:
             changed = sorted(k for k in settings.keys() | stored.keys() if stored.get(k) != settings.get(k))
             raise ValueError(
@@ -214,10 +216,10 @@ def generate_replies(
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "enable_thinking": enable_thinking,
-        "seed": seed,
     }
-    if temperature > 0:  # replies sampled before top-k/top-p were switched off must not be mixed in
-        settings["truncation"] = "none"
+    if temperature > 0:  # only sampled replies depend on the seed (greedy data serves drafters of any seed);
+        # replies sampled before top-k/top-p were switched off must not be mixed in
+        settings |= {"seed": seed, "truncation": "none"}
     shard = data_dir / f"shard-{rank:03d}.jsonl"
     # One writer per shard: a second job on the same data dir waits, then resumes from what the first wrote.
     with _exclusive(data_dir / f".shard-{rank:03d}.lock"):
