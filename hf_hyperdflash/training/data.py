@@ -217,8 +217,9 @@ def generate_replies(
         "temperature": temperature,
         "enable_thinking": enable_thinking,
     }
-    if temperature > 0:  # only sampled replies depend on the seed (greedy data serves drafters of any seed);
-        # replies sampled before top-k/top-p were switched off must not be mixed in
+    # Only sampled replies depend on the seed (greedy data serves drafters of any seed), and replies sampled
+    # before top-k/top-p were switched off must not be mixed in.
+    if temperature > 0:
         settings |= {"seed": seed, "truncation": "none"}
     shard = data_dir / f"shard-{rank:03d}.jsonl"
     # One writer per shard: a second job on the same data dir waits, then resumes from what the first wrote.
