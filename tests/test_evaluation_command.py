@@ -66,7 +66,8 @@ def test_help_explains_every_option(capsys):
 
 
 def test_flags_are_checked_when_parsed():
-    bad_flags = (["--drafter", "nodir"], ["--datasets", "gsm9k"], ["--repeats", "0"], ["--temperatures", "-1"])
+    bad_flags = (["--drafter", "nodir"], ["--drafter", "a+b=dir"], ["--datasets", "gsm9k"], ["--repeats", "0"])
+    bad_flags += (["--temperatures", "-1"],)
     for bad in (*bad_flags, ["--tau-ratio", "hyperdflash"], ["--tau-ratio", "/mtp-k3"]):
         with pytest.raises(SystemExit):
             parse([*bad, "--output-dir", "out"])
@@ -76,6 +77,11 @@ def test_flags_are_checked_when_parsed():
     assert command._ratio_pairs(ratios, ["plain", "a", "b", "c"]) == [("a", "b"), ("a", "c")]  # repeats once
     with pytest.raises(ValueError, match="compares a method with itself"):
         command._ratio_pairs([("a", "a")], ["plain", "a"])
+    assert command._ratio_pairs([("a+b", "c")], ["plain", "a", "b", "c"]) == [("a+b", "c")]
+    with pytest.raises(ValueError, match="compares a method with itself"):
+        command._ratio_pairs([("a+b", "b+c")], ["plain", "a", "b", "c"])
+    with pytest.raises(ValueError, match=r"no speculative method named \['d'\]"):
+        command._ratio_pairs([("a+d", "c")], ["plain", "a", "b", "c"])
 
 
 def test_missing_shipped_models_are_skipped_with_a_note(monkeypatch, tmp_path):

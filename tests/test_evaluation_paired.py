@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hf_hyperdflash.evaluation.paired import default_tau_ratio_pairs, paired_tau_ratio
+from hf_hyperdflash.evaluation.paired import default_tau_ratio_pairs, paired_tau_ratio, pooled
 from hf_hyperdflash.evaluation.runner import MethodResult
 
 
@@ -64,6 +64,25 @@ def test_undefined_ratios_are_nan_and_different_prompts_are_refused():
     assert math.isnan(plain.ratio) and math.isnan(plain.low)
     with pytest.raises(ValueError, match="same prompts"):
         paired_tau_ratio(_method("a", [4, 4], [2, 2]), _method("b", [4], [2]))
+
+
+def test_pooled_seeds_add_up_per_prompt_and_are_resampled_together():
+    """Two seeds of a recipe as one side: tau over both seeds' steps; a prompt is resampled with all its seeds."""
+    seed_0 = _method("a_s0", [20, 5, 18, 6], [10, 10, 10, 10])
+    seed_1 = _method("a_s1", [10, 15, 8, 16], [10, 10, 10, 10])  # good where seed 0 is bad, and vice versa
+    both = pooled([seed_0, seed_1])
+    assert both.name == "a_s0+a_s1" and both.prompts == 4
+    assert [run["accepted_drafts"] for run in both.runs] == [30, 20, 26, 22]
+    assert pooled([seed_0]) is seed_0
+    reference = _method("b", [10, 10, 10, 10], [10, 10, 10, 10])
+    ratio = paired_tau_ratio(both, pooled([reference]))
+    assert ratio.ratio == pytest.approx((98 + 80) / 80 / 2)
+    assert ratio.label == "a_s0+a_s1 / b"
+    # Per prompt the seeds cancel out, so pooling shrinks the interval far below either seed's own.
+    alone = paired_tau_ratio(seed_0, reference)
+    assert ratio.high - ratio.low < (alone.high - alone.low) / 2
+    with pytest.raises(ValueError, match="different numbers of prompts"):
+        pooled([seed_0, _method("short", [1], [1])])
 
 
 def test_default_pairs_put_hyperdflash_over_every_other_speculative_method():

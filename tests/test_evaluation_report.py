@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hf_hyperdflash.evaluation.harness import Setting, SettingResult
-from hf_hyperdflash.evaluation.report import REPORT_FILES, machine_description, write_report
+from hf_hyperdflash.evaluation.report import REPORT_FILES, machine_description, tau_ratios, write_report
 from hf_hyperdflash.evaluation.runner import MethodResult
 
 
@@ -117,6 +117,14 @@ def test_json_is_strict_and_complete(results, tmp_path):
     (ratio,) = first["tau_ratios"]
     assert (ratio["numerator"], ratio["denominator"], ratio["prompts"]) == ("hyperdflash", "mtp-k3", 2)
     assert ratio["ratio"] == pytest.approx((19 + 3) / 3 / 2.5) and ratio["low"] <= ratio["ratio"] <= ratio["high"]
+
+
+def test_a_side_joined_with_plus_pools_its_methods(results):
+    seed_1 = _result("hyperdflash_s1", [5, 3, 1, 1], [7, 7, 7, 7])
+    setting = SettingResult(results[0].setting, [*results[0].methods, seed_1])
+    (ratio,) = tau_ratios(setting, [("hyperdflash+hyperdflash_s1", "mtp-k3")])
+    assert ratio.numerator == "hyperdflash+hyperdflash_s1" and ratio.prompts == 2
+    assert ratio.ratio == pytest.approx((19 + 10 + 7) / 7 / 2.5)  # 29 drafts accepted over 7 verify steps
 
 
 def test_acceptance_plot_is_a_png(results, tmp_path):

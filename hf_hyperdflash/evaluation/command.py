@@ -51,6 +51,13 @@ def _named(text: str) -> tuple[str, str]:
     return _two_parts(text, "=", "NAME=VALUE")
 
 
+def _drafter(text: str) -> tuple[str, str]:
+    name, path = _named(text)
+    if "+" in name or "/" in name:
+        raise argparse.ArgumentTypeError(f"drafter name {name!r} has '+' or '/', which --tau-ratio reads; rename it")
+    return name, path
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -100,7 +107,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     models.add_argument(
         "--drafter",
-        type=_named,
+        type=_drafter,
         action="append",
         default=[],
         metavar="NAME=DIR",
@@ -179,7 +186,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         action="append",
         metavar="NUM/DEN",
         help="Report tau(NUM) / tau(DEN) with a 95%% paired bootstrap interval over prompts (repeatable; method "
-        "names as in the table, e.g. hyperdflash/mtp-k3). Default: hyperdflash over every other speculative method.",
+        "names as in the table, e.g. hyperdflash/mtp-k3). A side 'a+b' pools methods, e.g. drafters of several "
+        "seeds: hdf_s0+hdf_s1/dfl_s0+dfl_s1. Default: hyperdflash over every other speculative method.",
     )
     report.add_argument(
         "--output-dir", type=Path, required=True, help="Where report.md, results.json, acceptance.png go."
@@ -219,13 +227,17 @@ def _ratio_pairs(requested: list[tuple[str, str]] | None, names: list[str]) -> l
         return default_tau_ratio_pairs(names)
     speculative = names[1:]
     for pair in requested:
-        unknown = [name for name in pair if name not in speculative]
+        numerator, denominator = (side.split("+") for side in pair)
+        unknown = [name for name in numerator + denominator if name not in speculative]
         if unknown:
             raise ValueError(
                 f"--tau-ratio {'/'.join(pair)}: no speculative method named {unknown}; choose from {speculative}."
             )
-        if pair[0] == pair[1]:
-            raise ValueError(f"--tau-ratio {'/'.join(pair)} compares a method with itself; name two methods.")
+        if len(set(numerator + denominator)) < len(numerator + denominator):
+            raise ValueError(
+                f"--tau-ratio {'/'.join(pair)} names a method twice (compares a method with itself); each method "
+                "may appear once."
+            )
     return list(dict.fromkeys(requested))  # a pair given twice is reported once
 
 

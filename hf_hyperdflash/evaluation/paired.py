@@ -3,13 +3,16 @@
 tau pools every verify step of a run, so it is a ratio of sums over prompts (long replies weigh more). The
 interval resamples whole prompts, both methods together: the statistic keeps its pooling, and the pairing removes
 the prompt-to-prompt spread that both methods share (an easy prompt is easy for every drafter), which is most of it.
-The interval covers prompt noise only, not the seed-to-seed spread of training a drafter again.
+The interval covers prompt noise only, not the seed-to-seed spread of training a drafter again. To compare recipes
+rather than single training runs, pool the drafters of several seeds into one side (`pooled`): their verify steps
+add up per prompt, and a resampled prompt brings all of its seeds along.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +43,23 @@ def _per_prompt(result: MethodResult) -> tuple[np.ndarray, np.ndarray]:
     accepted = np.array([run["accepted_drafts"] for run in result.runs], dtype=np.float64)
     steps = np.array([run["verify_steps"] for run in result.runs], dtype=np.float64)
     return accepted, steps
+
+
+def pooled(methods: Sequence[MethodResult]) -> MethodResult:
+    """Several methods run on the same prompts as one, named "a+b+...": per prompt, their drafts accepted and
+    verify steps add up (e.g. drafters of one recipe trained with different seeds)."""
+    if len(methods) == 1:
+        return methods[0]
+    prompts = {len(method.runs) for method in methods}
+    if len(prompts) != 1:
+        raise ValueError(
+            f"Cannot pool {[m.name for m in methods]}: they ran different numbers of prompts ({sorted(prompts)})."
+        )
+    runs = [
+        {key: sum(run[key] for run in prompt_runs) for key in ("accepted_drafts", "verify_steps")}
+        for prompt_runs in zip(*(method.runs for method in methods), strict=True)
+    ]
+    return MethodResult(name="+".join(method.name for method in methods), prompts=prompts.pop(), runs=runs)
 
 
 def _tau_ratio(

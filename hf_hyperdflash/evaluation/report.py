@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from .harness import SettingResult
-from .paired import TauRatio, paired_tau_ratio
+from .paired import TauRatio, paired_tau_ratio, pooled
 from .runner import LATENCY_PARTS, MethodResult, finite_or_none
 
 REPORT_FILES = {"markdown": "report.md", "json": "results.json", "plot": "acceptance.png"}
@@ -80,9 +80,13 @@ def _method_table(results: list[MethodResult]) -> list[str]:
 
 
 def tau_ratios(result: SettingResult, pairs: list[tuple[str, str]]) -> list[TauRatio]:
-    """The paired tau ratio of each (numerator, denominator) method pair in this setting."""
+    """The paired tau ratio of each (numerator, denominator) pair in this setting; a side "a+b" pools methods."""
     by_name = {method.name: method for method in result.methods}
-    return [paired_tau_ratio(by_name[numerator], by_name[denominator]) for numerator, denominator in pairs]
+
+    def side(names: str) -> MethodResult:
+        return pooled([by_name[name] for name in names.split("+")])
+
+    return [paired_tau_ratio(side(numerator), side(denominator)) for numerator, denominator in pairs]
 
 
 def _ratio_table(ratios: list[TauRatio]) -> list[str]:
