@@ -32,7 +32,7 @@ from .. import reference
 from ..training.trainer import load_target
 from .datasets import PROMPT_SETS, load_prompt_set
 from .harness import build_methods, evaluate, reference_drafter_dirs, reference_mtp_dir
-from .paired import default_tau_ratio_pairs
+from .paired import POOL_SEPARATOR, default_tau_ratio_pairs, pool_members
 from .report import REPORT_FILES, machine_description, write_report
 
 MODES = {"non-thinking": False, "thinking": True}
@@ -53,8 +53,10 @@ def _named(text: str) -> tuple[str, str]:
 
 def _drafter(text: str) -> tuple[str, str]:
     name, path = _named(text)
-    if "+" in name or "/" in name:
-        raise argparse.ArgumentTypeError(f"drafter name {name!r} has '+' or '/', which --tau-ratio reads; rename it")
+    if POOL_SEPARATOR in name or "/" in name:
+        raise argparse.ArgumentTypeError(
+            f"drafter name {name!r} has {POOL_SEPARATOR!r} or '/', which --tau-ratio reads; rename it"
+        )
     return name, path
 
 
@@ -227,7 +229,7 @@ def _ratio_pairs(requested: list[tuple[str, str]] | None, names: list[str]) -> l
         return default_tau_ratio_pairs(names)
     speculative = names[1:]
     for pair in requested:
-        numerator, denominator = (side.split("+") for side in pair)
+        numerator, denominator = (pool_members(side) for side in pair)
         unknown = [name for name in numerator + denominator if name not in speculative]
         if unknown:
             raise ValueError(

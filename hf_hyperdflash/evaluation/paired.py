@@ -45,6 +45,14 @@ def _per_prompt(result: MethodResult) -> tuple[np.ndarray, np.ndarray]:
     return accepted, steps
 
 
+POOL_SEPARATOR = "+"  # "a+b": one side of a tau ratio made of several methods
+
+
+def pool_members(side: str) -> list[str]:
+    """The method names of one side of a tau ratio ("a+b" -> ["a", "b"])."""
+    return side.split(POOL_SEPARATOR)
+
+
 def pooled(methods: Sequence[MethodResult]) -> MethodResult:
     """Several methods run on the same prompts as one, named "a+b+...": per prompt, their drafts accepted and
     verify steps add up (e.g. drafters of one recipe trained with different seeds)."""
@@ -59,7 +67,8 @@ def pooled(methods: Sequence[MethodResult]) -> MethodResult:
         {key: sum(run[key] for run in prompt_runs) for key in ("accepted_drafts", "verify_steps")}
         for prompt_runs in zip(*(method.runs for method in methods), strict=True)
     ]
-    return MethodResult(name="+".join(method.name for method in methods), prompts=prompts.pop(), runs=runs)
+    name = POOL_SEPARATOR.join(method.name for method in methods)
+    return MethodResult(name=name, prompts=prompts.pop(), runs=runs)
 
 
 def _tau_ratio(

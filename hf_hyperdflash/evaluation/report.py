@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from .harness import SettingResult
-from .paired import TauRatio, paired_tau_ratio, pooled
+from .paired import TauRatio, paired_tau_ratio, pool_members, pooled
 from .runner import LATENCY_PARTS, MethodResult, finite_or_none
 
 REPORT_FILES = {"markdown": "report.md", "json": "results.json", "plot": "acceptance.png"}
@@ -84,7 +84,7 @@ def tau_ratios(result: SettingResult, pairs: list[tuple[str, str]]) -> list[TauR
     by_name = {method.name: method for method in result.methods}
 
     def side(names: str) -> MethodResult:
-        return pooled([by_name[name] for name in names.split("+")])
+        return pooled([by_name[name] for name in pool_members(names)])
 
     return [paired_tau_ratio(side(numerator), side(denominator)) for numerator, denominator in pairs]
 
