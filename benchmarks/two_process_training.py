@@ -28,7 +28,7 @@ from pathlib import Path
 
 from transformers import AutoModel, AutoTokenizer
 
-from hf_hyperdflash import reference
+from hf_hyperdflash import HyperDFlashConfig, reference
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 PROMPTS = [
@@ -100,7 +100,7 @@ def check(work_dir: Path) -> list[str]:
     if not (out / "run" / "curves.png").exists():
         problems.append("curves.png missing")
     drafter = AutoModel.from_pretrained(out / "drafter", trust_remote_code=True)
-    if drafter.config.model_type != "hyperdflash":
+    if drafter.config.model_type != HyperDFlashConfig.model_type:
         problems.append(f"the saved drafter loads as {drafter.config.model_type}")
     return problems
 

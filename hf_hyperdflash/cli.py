@@ -1,17 +1,40 @@
 """`hyperdflash` command line: demo (the quick start), train and eval (drafters), build-reference (shipped models)."""
 
+# Building the parser imports neither torch nor transformers (the option tables live in light modules), so
+# `--help` answers at once; a command imports what it needs when it runs.
+
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
-import torch
+from .demo import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT, DEFAULT_REPEATS, expected_duration
+from .evaluation import options as eval_options
+from .training import options as train_options
 
-from .demo import DEFAULT_PROMPT
+# Bad input, by the project's convention: a ValueError whose message names the problem and the fix.
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """`run(args)`; a user mistake (USER_ERRORS) ends it the way argparse does: one line
+    `PROG: error: MESSAGE` on stderr, exit status 2, no traceback."""
+    try:
+        return run(args)
+    except USER_ERRORS as error:
+        message = " ".join(str(error).split())  # one line, whatever the message's layout
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import load_reference_pair, run_demo  # heavy imports only when the command runs
+    print(
+        f"Loading the reference pair and decoding {expected_duration(args.max_new_tokens, args.repeats)}.", flush=True
+    )
+    import torch
+
+    from .demo import load_reference_pair, run_demo
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyperdflash", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="speculative vs plain decoding on the shipped reference pair")
+    demo = commands.add_parser(
+        "demo",
+        help="speculative vs plain decoding on the shipped reference pair",
+        description=f"Speculative vs plain decoding on the shipped reference pair; at the defaults, "
+        f"{expected_duration()}.",
+    )
     demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="user message (default: %(default)r)")
     demo.add_argument(
         "--drafter",
@@ -59,33 +87,29 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "hyperdflash", "vanilla_dflash", "mtp"],
         help="which shipped drafter to use (auto: HyperDFlash if shipped, else native MTP)",
     )
-    demo.add_argument("--max-new-tokens", type=int, default=128, help="reply length in tokens")
-    demo.add_argument("--repeats", type=int, default=3, help="timed runs of each method; the median is reported")
+    demo.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="reply length in tokens")
+    demo.add_argument(
+        "--repeats", type=int, default=DEFAULT_REPEATS, help="timed runs of each method; the median is reported"
+    )
     demo.add_argument("--thinking", action="store_true", help="thinking chat mode (open <think> section)")
     demo.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     demo.set_defaults(run=_demo)
 
-    from .training.command import __doc__ as train_doc
-    from .training.command import add_train_arguments
-
     train = commands.add_parser(
         "train",
         help="generate the target's replies and train a drafter on them",
-        description=train_doc,
+        description=train_options.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_train_arguments(train).set_defaults(run=_train)
-
-    from .evaluation.command import __doc__ as eval_doc
-    from .evaluation.command import add_eval_arguments
+    train_options.add_train_arguments(train).set_defaults(run=_train)
 
     evaluate = commands.add_parser(
         "eval",
         help="plain decoding, native MTP, vanilla DFlash and HyperDFlash side by side on the same prompts",
-        description=eval_doc,
+        description=eval_options.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_eval_arguments(evaluate).set_defaults(run=_eval)
+    eval_options.add_eval_arguments(evaluate).set_defaults(run=_eval)
 
     rebuild = commands.add_parser(
         "build-reference", help="retrain the shipped tokenizer, target and native MTP", add_help=False
@@ -97,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    return run_command(f"hyperdflash {args.command}", args.run, args)
 
 
 if __name__ == "__main__":

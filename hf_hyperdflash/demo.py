@@ -9,17 +9,39 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
-from . import reference
+if TYPE_CHECKING:  # torch and transformers load when the demo runs, not when `hyperdflash --help` builds its parser
+    import torch
+    from transformers import PreTrainedModel
 
 DEFAULT_PROMPT = "Write a short guide on how to make a good cup of coffee at home."
+DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_REPEATS = 3
+# `time hyperdflash demo` at the defaults on an idle 2-core CPU (torch's default threads): 12.5-16.4 s in all over
+# four runs, of which about 6 s import torch and transformers and load the models; the rest is decoding, which
+# scales with tokens x repeats.
+MEASURED_SECONDS = {"total": 13.0, "load": 6.0}
+
+
+def expected_duration(max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, repeats: int = DEFAULT_REPEATS) -> str:
+    """What the demo does and about how long it takes on a small CPU, e.g. for a line printed before it starts."""
+    decoding = MEASURED_SECONDS["total"] - MEASURED_SECONDS["load"]
+    seconds = MEASURED_SECONDS["load"] + decoding * max_new_tokens * repeats / (
+        DEFAULT_MAX_NEW_TOKENS * DEFAULT_REPEATS
+    )
+    runs = f"{repeats} repeat{'' if repeats == 1 else 's'}"
+    return f"{max_new_tokens} tokens x {runs}, plain and speculative; about {seconds:.0f} s on 2 CPU cores"
 
 
 def load_reference_pair(drafter: str = "auto") -> tuple:
     """(tokenizer, target, drafter, drafter_name) in float32 on CPU; `auto` picks the best shipped drafter."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from . import reference
+    from .modeling.strict_loading import check_drafter_path
+
     tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
     target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32).eval()
     candidates = [drafter] if drafter != "auto" else ["hyperdflash", "mtp"]
@@ -30,6 +52,7 @@ def load_reference_pair(drafter: str = "auto") -> tuple:
             if drafter != "auto":
                 raise
             continue
+        check_drafter_path(path)  # a shipped drafter without its weights is an incomplete install, said in one line
         model = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
         return tokenizer, target, model, name
     raise FileNotFoundError("No reference drafter is shipped with this installation.")
@@ -58,10 +81,12 @@ def run_demo(
     target: PreTrainedModel,
     drafter: PreTrainedModel,
     prompt: str = DEFAULT_PROMPT,
-    max_new_tokens: int = 128,
-    repeats: int = 3,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    repeats: int = DEFAULT_REPEATS,
     thinking: bool = False,
 ) -> DemoResult:
+    import torch
+
     messages = [{"role": "user", "content": prompt}]
     input_ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, enable_thinking=thinking, return_tensors="pt", return_dict=True

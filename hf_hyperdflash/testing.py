@@ -94,7 +94,7 @@ class OracleProposer:
         return random_token if corrupt else int(self.reference[0, position])
 
     def propose(self, features, positions, input_ids, num_tokens, pick):
-        from .generation import _pick_sequentially
+        from .modeling.candidate_generator import _pick_sequentially
 
         start = input_ids.shape[1]
         hints = torch.tensor([self._hint(start + k) for k in range(num_tokens)])
@@ -106,7 +106,7 @@ class OracleProposer:
 @contextmanager
 def oracle_drafting(oracle: OracleProposer) -> Iterator[OracleProposer]:
     """Route every block drafter's proposals through `oracle` for the duration of the block."""
-    from .generation import BlockProposer
+    from .modeling.candidate_generator import BlockProposer
 
     original = BlockProposer.propose
     BlockProposer.propose = lambda self, *args: oracle.propose(*args)

@@ -8,11 +8,11 @@ import textwrap
 
 import pytest
 import torch
-from hf_hyperdflash.modeling.configuration_hyperdflash import HyperDFlashConfig
-from hf_hyperdflash.modeling.modeling_hyperdflash import HyperDFlashForDrafting, spread_target_layers
 from safetensors import safe_open
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from hf_hyperdflash.modeling.configuration_hyperdflash import HyperDFlashConfig
+from hf_hyperdflash.modeling.modeling_hyperdflash import HyperDFlashForDrafting, spread_target_layers
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 HIDDEN, HC_MULT = 64, 4
@@ -163,14 +163,14 @@ def test_cached_inference_matches_uncached(target, conditioning):
 
     cache = DynamicCache()
     positions = torch.arange(10).unsqueeze(0)
-    draft(drafter, target_hidden[:, :6], anchors[:, :1], [[6]], positions[:, :6], past_key_values=cache)
-    cached = draft(drafter, target_hidden[:, 6:], anchors[:, 1:], [[10]], positions[:, 6:], past_key_values=cache)
+    draft(drafter, target_hidden[:, :6], anchors[:, :1], [[6]], positions[:, :6], cache=cache)
+    cached = draft(drafter, target_hidden[:, 6:], anchors[:, 1:], [[10]], positions[:, 6:], cache=cache)
     torch.testing.assert_close(cached, uncached, rtol=1e-5, atol=1e-5)
     assert cache.get_seq_length() == 10  # context only; block K/V are not stored
     assert len(cache.layers) == drafter.config.num_hidden_layers
 
     with pytest.raises(ValueError, match="one block"):
-        draft(drafter, target_hidden[:, :1], anchors, [[11, 12]], positions[:, :1] + 10, past_key_values=cache)
+        draft(drafter, target_hidden[:, :1], anchors, [[11, 12]], positions[:, :1] + 10, cache=cache)
 
 
 def test_save_load_roundtrip_offline_without_the_library(target, tmp_path):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashConfig, HyperDFlashForDrafting
+from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 PROMPT = torch.tensor([[5, 17, 33, 9, 250, 12]])
@@ -34,7 +36,7 @@ def drafter(target):
 
 
 def _speculative(target, drafter, **kwargs):
-    return target.generate(PROMPT, max_new_tokens=4, do_sample=False, assistant_model=drafter, **kwargs)
+    return target.generate(PROMPT, **({"max_new_tokens": 4, "do_sample": False} | kwargs), assistant_model=drafter)
 
 
 def _tiny_llama(seed: int) -> LlamaForCausalLM:
@@ -88,6 +90,65 @@ def test_more_draft_tokens_than_a_block_holds(target, drafter):
         drafter.generation_config.num_assistant_tokens = drafter.config.block_size - 1
 
 
+def test_zero_draft_tokens_is_refused(target, drafter):
+    """0 used to fall back silently to the default draft length."""
+    drafter.generation_config.num_assistant_tokens = 0
+    try:
+        with pytest.raises(ValueError, match="num_assistant_tokens` must be an integer >= 1, got 0"):
+            _speculative(target, drafter)
+    finally:
+        drafter.generation_config.num_assistant_tokens = drafter.config.block_size - 1
+
+
+def test_reused_cache_that_cannot_rewind_a_whole_draft(target, drafter):
+    short = RewindableDeepseekV4Cache(target.config, max_draft=1)
+    with pytest.raises(ValueError, match="can rewind 1 tokens, but this drafter drafts 3 per step"):
+        _speculative(target, drafter, past_key_values=short)
+    assert short.get_seq_length() == 0  # refused before any forward
+
+
+def test_drafter_for_another_target_of_the_same_width_warns(target, drafter):
+    plain = target.generate(PROMPT, max_new_tokens=4, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its own target: no warning
+        assert torch.equal(_speculative(target, drafter), plain)
+    other = tiny_deepseek_v4(seed=0, sliding_window=16)  # same width, another architecture
+    with pytest.warns(UserWarning, match="built for the target .* fingerprint .* few drafts may be accepted"):
+        speculative = _speculative(other, drafter)
+    assert torch.equal(speculative, other.generate(PROMPT, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"prompt_lookup_num_tokens": 3}, "two ways to draft; pass one of them"),
+        ({"guidance_scale": 1.5}, "guidance_scale=1.5 cannot be combined with a speculative drafter"),
+        ({"cache_implementation": "static"}, "cache_implementation='static' cannot be combined"),
+        ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True cannot be combined"),
+    ],
+)
+def test_conflicting_options_are_refused_before_any_forward(target, drafter, option, message):
+    forwards = []
+    hook = target.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match=message):
+            _speculative(target, drafter, **option)
+    finally:
+        hook.remove()
+    assert not forwards
+
+
+def test_dynamic_cache_implementation_is_honoured(target, drafter):
+    """Also when it comes from the target's generation_config.json, as on some Hub checkpoints."""
+    plain = target.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    assert torch.equal(_speculative(target, drafter, cache_implementation="dynamic", max_new_tokens=6), plain)
+    target.generation_config.cache_implementation = "dynamic"
+    try:
+        assert torch.equal(_speculative(target, drafter, max_new_tokens=6), plain)
+    finally:
+        target.generation_config.cache_implementation = None
+
+
 def test_non_rewindable_cache(target, drafter):
     with pytest.raises(ValueError, match="needs a rewindable target cache, got DynamicCache"):
         _speculative(target, drafter, past_key_values=DynamicCache())
@@ -114,7 +175,15 @@ def test_corrupt_checkpoint(target, tmp_path, kind):
     directory = _saved_drafter(kind, target, tmp_path / kind)
     weights = tmp_path / kind / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.raises(ValueError, match="checkpoint .* is corrupt or incomplete"):
+    with pytest.raises(ValueError, match="checkpoint .* is corrupt or unreadable"):
+        AutoModel.from_pretrained(directory, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("kind", ["hyperdflash", "mtp"])
+def test_missing_weights_file_is_incomplete_not_corrupt(target, tmp_path, kind):
+    directory = _saved_drafter(kind, target, tmp_path / kind)
+    (tmp_path / kind / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="has a drafter config but no weights file .* the save is incomplete"):
         AutoModel.from_pretrained(directory, trust_remote_code=True)
 
 

@@ -10,9 +10,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting, reference
-from hf_hyperdflash.cache import RewindableDeepseekV4Cache
 from hf_hyperdflash.evaluation import command
 from hf_hyperdflash.evaluation.report import REPORT_FILES
+from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -8,9 +8,9 @@ import torch
 
 import hf_hyperdflash  # noqa: F401  (generate() integration)
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
-from hf_hyperdflash.cache import RewindableDeepseekV4Cache
 from hf_hyperdflash.evaluation.harness import Setting, SettingResult
 from hf_hyperdflash.evaluation.runner import Method, run_methods
+from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
 from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
 
 MAX_NEW_TOKENS = 12

@@ -6,6 +6,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
 
 # Prompt lengths below, inside and well beyond the sliding window (8) and many compression windows (4 and 8).
@@ -67,6 +68,87 @@ def test_partial_acceptance_stays_lossless_and_is_counted(target, drafters):
         assert stats["target_forwards"] < stats["new_tokens"], "an oracle drafter must save target forwards"
         assert stats["mean_accepted_length"] == pytest.approx(sum(accepted) / len(accepted) + 1)
     assert all(seen.values()), seen
+
+
+def test_generation_stats_read_as_attributes_or_keys_and_print_a_summary(target, drafters):
+    drafter = drafters["hyperdflash"]
+    prompt = _prompt(12, seed=7)
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    with oracle_drafting(OracleProposer(512, plain, corruption=0.1, seed=7)):
+        target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter)
+    stats = drafter.last_generation_stats
+    assert stats.mean_accepted_length == stats["mean_accepted_length"] > 1.5
+    assert stats.new_tokens == stats["new_tokens"] == 30
+    assert stats.seconds >= sum(stats.step_seconds) > 0
+    assert len(stats.accepted_per_step) == len(stats.step_seconds) == stats.target_forwards - 1
+    summary = repr(stats)
+    assert summary.startswith(f"GenerationStats(tau={stats.mean_accepted_length:.2f}, acceptance_per_position=[")
+    assert "target_forwards=" in summary and "new_tokens=30" in summary and "\n" not in summary
+    assert "accepted_per_step" not in summary  # the per-step lists stay out of the printout
+    assert set(stats.as_dict()) >= {"mean_accepted_length", "acceptance_per_position", "accepted_per_step"}
+    with pytest.raises(KeyError, match="GenerationStats holds"):
+        stats["tau"]
+
+
+@pytest.mark.parametrize("kind", ["hyperdflash", "mtp"])
+def test_continuing_from_a_returned_cache_matches_plain_decoding(target, drafters, kind):
+    """A second chat turn on the cache the first speculative call returned: the first forward feeds only the new
+    tokens, as plain decoding does (transformers' assisted loop would feed the whole prompt again)."""
+    drafter = drafters[kind]
+    prompt = _prompt(14, seed=21)
+    first = target.generate(
+        prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+    )
+    cache = getattr(first, CACHE_ARGUMENT)
+    assert cache.get_seq_length() == first.sequences.shape[1] - 1
+    second_prompt = torch.cat([first.sequences, _prompt(9, seed=22)], dim=1)
+    forwarded = []
+    hook = target.register_forward_pre_hook(
+        lambda _, args, kwargs: forwarded.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        continued = target.generate(
+            second_prompt, max_new_tokens=16, do_sample=False, assistant_model=drafter, **{CACHE_ARGUMENT: cache}
+        )
+    finally:
+        hook.remove()
+    assert forwarded[0] == 10  # the 9 new tokens and the last token of the first reply, not the whole prompt
+    assert torch.equal(continued, target.generate(second_prompt, max_new_tokens=16, do_sample=False))
+    assert drafter.last_generation_stats.new_tokens == 16
+    with pytest.raises(ValueError, match="already holds .* tokens, but the prompt has"):
+        target.generate(first.sequences[:, :-2], max_new_tokens=4, assistant_model=drafter, **{CACHE_ARGUMENT: cache})
+
+
+def test_bf16_mtp_drafter_loaded_like_the_shipped_one(target, tmp_path):
+    """Loaded in bf16, V4 keeps some norms in fp32, so `drafter.dtype` is not the projections' dtype."""
+    DeepseekV4MTPForDrafting.from_target(target).save_pretrained(tmp_path / "mtp")
+    drafter = DeepseekV4MTPForDrafting.from_pretrained(tmp_path / "mtp", dtype=torch.bfloat16).eval()
+    assert drafter.e_proj.weight.dtype == torch.bfloat16
+    prompt = _prompt(11, seed=5)
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter), plain)
+
+
+def test_returned_scores_logits_and_hidden_states_match_plain_decoding(target, drafters):
+    """Per generated token, in plain decoding's shapes: mHC residuals [1, 1, hc, D], the final state [1, 1, D]."""
+    prompt = _prompt(13, seed=9)
+    options = dict(max_new_tokens=14, do_sample=False, return_dict_in_generate=True)
+    options |= dict(output_scores=True, output_logits=True, output_hidden_states=True)
+    plain = target.generate(prompt, **options)
+    with oracle_drafting(OracleProposer(512, plain.sequences, corruption=0.15, seed=2)):
+        speculative = target.generate(prompt, assistant_model=drafters["hyperdflash"], **options)
+    assert max(drafters["hyperdflash"].last_generation_stats.accepted_per_step) >= 2
+    assert torch.equal(speculative.sequences, plain.sequences)
+    for name in ("scores", "logits"):
+        assert len(getattr(speculative, name)) == len(getattr(plain, name)) == 14
+        for ours, theirs in zip(getattr(speculative, name), getattr(plain, name), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert len(speculative.hidden_states) == len(plain.hidden_states) == 14
+    for step, (ours, theirs) in enumerate(zip(speculative.hidden_states, plain.hidden_states, strict=True)):
+        assert [t.shape for t in ours] == [t.shape for t in theirs], step
+        for layer_ours, layer_theirs in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(layer_ours, layer_theirs, rtol=1e-4, atol=1e-4)
+    assert plain.hidden_states[1][0].shape == (1, 1, target.config.hc_mult, target.config.hidden_size)
 
 
 def test_eos_inside_a_block_stops_like_plain_generate(target, drafters):

@@ -1,20 +1,18 @@
 """The shipped reference set: loadable offline, mutually consistent, bf16, within budget, code in sync."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModel
 
-import hf_hyperdflash
 from hf_hyperdflash import HyperDFlashForDrafting, reference
+from hf_hyperdflash.modeling.targets import target_fingerprint
 from hf_hyperdflash.reference.build import export_drafters, train_language_model
 from hf_hyperdflash.testing import tiny_deepseek_v4
 from hf_hyperdflash.training.loop import LoopConfig
 
-MODELING_SOURCES = Path(hf_hyperdflash.modeling.__file__).parent
 ASSET_DIRS = [reference.target_path(), reference.mtp_path(), *map(reference.drafter_path, reference.DRAFTER_KINDS)]
 
 
@@ -28,10 +26,13 @@ def test_shipped_weights_are_bf16_and_within_the_budget():
 
 
 @pytest.mark.parametrize("directory", ASSET_DIRS[1:], ids=lambda d: d.name)
-def test_shipped_remote_code_matches_the_modeling_sources(directory):
-    """save_pretrained copied the remote code next to the weights; a modeling change must be re-exported."""
-    for shipped in directory.glob("*.py"):
-        assert shipped.read_text() == (MODELING_SOURCES / shipped.name).read_text(), shipped
+def test_shipped_drafters_hold_weights_and_config_only(directory):
+    """No copy of the runtime in the package data: the library loads them through its registered classes."""
+    assert {path.name for path in directory.iterdir()} == {"config.json", "model.safetensors"}
+    assert "auto_map" not in json.loads((directory / "config.json").read_text())
+    drafter = AutoModel.from_pretrained(directory, trust_remote_code=True)
+    assert type(drafter).__module__.startswith("hf_hyperdflash.modeling.")
+    assert drafter.config.target_fingerprint == target_fingerprint(AutoConfig.from_pretrained(reference.target_path()))
 
 
 def test_drafters_fit_the_shipped_target():
@@ -75,6 +76,10 @@ def test_drafters_stage_ships_trained_drafters_as_bf16(tmp_path):
     export_drafters(tmp_path / "runs", tmp_path / "assets")
     for kind, drafter in trained.items():
         shipped = HyperDFlashForDrafting.from_pretrained(tmp_path / "assets" / f"drafter_{kind}")
+        assert {path.name for path in (tmp_path / "assets" / f"drafter_{kind}").iterdir()} == {
+            "config.json",
+            "model.safetensors",
+        }
         assert shipped.dtype == torch.bfloat16 and shipped.config.conditioning == drafter.config.conditioning
         for name, value in drafter.state_dict().items():
             torch.testing.assert_close(shipped.state_dict()[name], value.to(torch.bfloat16))

@@ -11,8 +11,9 @@ from transformers import DeepseekV4ForCausalLM, DynamicCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicSlidingWindowLayer
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACache, DeepseekV4HCACache
 
-from hf_hyperdflash.cache import RewindableDeepseekV4Cache
-from hf_hyperdflash.cache import deepseek_v4 as rewindable_module
+from hf_hyperdflash.modeling import cache_deepseek_v4 as rewindable_module
+from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
+from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 TOLERANCE = 1e-4
@@ -49,7 +50,7 @@ def sliding_only_model() -> DeepseekV4ForCausalLM:
 def forward(model: DeepseekV4ForCausalLM, ids: list[int] | list[list[int]], cache: Cache | None) -> torch.Tensor:
     """Logits `[S, V]` (`[B, S, V]` for a batch of id lists); no cache at all when `cache` is None."""
     batch = torch.tensor(ids if isinstance(ids[0], list) else [ids])
-    logits = model(batch, past_key_values=cache, use_cache=cache is not None).logits
+    logits = model(batch, **{CACHE_ARGUMENT: cache}, use_cache=cache is not None).logits
     return logits if isinstance(ids[0], list) else logits[0]
 
 
@@ -218,7 +219,7 @@ def test_prompt_lookup_assisted_decoding_matches_greedy(monkeypatch):
     crop = cache.crop
     monkeypatch.setattr(cache, "crop", lambda max_length: (crops.append(max_length), crop(max_length)))
     assisted = model.generate(
-        prompt, max_new_tokens=40, do_sample=False, past_key_values=cache, prompt_lookup_num_tokens=10
+        prompt, max_new_tokens=40, do_sample=False, **{CACHE_ARGUMENT: cache}, prompt_lookup_num_tokens=10
     )
     assert torch.equal(assisted, greedy)
     assert any(max_length < 0 for max_length in crops)

@@ -1,15 +1,15 @@
-"""Training data: prompt sources, the target's own replies generated resumably, and the example loader."""
+"""Training data: the target's own replies generated resumably, and the example loader."""
 
 import json
-import sys
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from hf_hyperdflash import reference
+from hf_hyperdflash.prompts import encode_prompt
 from hf_hyperdflash.testing import tiny_deepseek_v4
-from hf_hyperdflash.training.data import encode_prompt, generate_replies, load_examples, load_prompts
+from hf_hyperdflash.training.data import generate_replies, load_examples
 
 # Two prompts of each of three token lengths, so equal-length batches of two form.
 WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega"]
@@ -158,36 +158,6 @@ def test_loader_cuts_to_max_length_and_drops_examples_without_reply(target, toke
         assert example["input_ids"].dtype == torch.long and example["loss_mask"].dtype == torch.bool
     with pytest.raises(ValueError, match="No generated replies"):
         load_examples(tmp_path / "empty")
-
-
-def test_prompt_sources(tmp_path, monkeypatch):
-    chats = tmp_path / "chats.jsonl"
-    lines = [
-        {
-            "messages": [
-                {"role": "system", "content": "S"},
-                {"role": "user", "content": "Q1"},
-                {"role": "assistant", "content": "A"},
-            ]
-        },
-        {"prompt": "Q2"},
-        {"messages": [{"role": "assistant", "content": "no user turn"}]},
-        {"conversations": [{"from": "human", "value": "Q3"}, {"from": "gpt", "value": "A3"}]},
-    ]
-    chats.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    assert load_prompts(str(chats)) == [
-        [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}],
-        [{"role": "user", "content": "Q2"}],
-        [{"role": "user", "content": "Q3"}],
-    ]
-    assert len(load_prompts(str(chats), limit=2)) == 2
-    held_out = load_prompts("sharegpt", "held_out", limit=3)
-    assert len(held_out) == 3 and all(p[-1]["role"] == "user" for p in held_out)
-    with pytest.raises(ValueError, match="does not exist"):
-        load_prompts(str(tmp_path / "missing.jsonl"))
-    monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(ValueError, match="pip install datasets"):
-        load_prompts("some-org/some-dataset")
 
 
 def test_two_jobs_on_one_data_dir_do_not_answer_a_prompt_twice(target, tokenizer, tmp_path):

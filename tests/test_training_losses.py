@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hf_hyperdflash.targets import DeepseekV4Target
+from hf_hyperdflash.modeling.targets import DeepseekV4Target
 from hf_hyperdflash.testing import tiny_deepseek_v4
 from hf_hyperdflash.training.collator import IGNORE_INDEX
 from hf_hyperdflash.training.losses import LossConfig, block_losses, position_weights, teacher_logits

@@ -65,7 +65,7 @@ def losses_by_step(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_log(run_dir / "log.jsonl") if "loss" in r}
 
 
-def test_training_learns_the_overfit_set_and_logs_tau_and_curves(target, examples, tmp_path):
+def test_training_learns_the_overfit_set_and_logs_tau_and_curves(target, examples, tmp_path, capsys):
     config = loop(total_steps=30, log_every=5, checkpoint_every=30, eval_every=30)
     prompts = [row["input_ids"][:PROMPT_LENGTH].tolist() for row in examples[:2]]
     train_drafter(
@@ -78,6 +78,7 @@ def test_training_learns_the_overfit_set_and_logs_tau_and_curves(target, example
     assert train[-1]["acc"] > train[0]["acc"] + 0.15
     taus = [r["tau"] for r in records if "tau" in r]
     assert len(taus) == 1 and taus[0] >= 1.0
+    assert f"step 30: tau {taus[0]:.2f}" in capsys.readouterr().out.splitlines()  # printed at each evaluation
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 

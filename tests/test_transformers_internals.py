@@ -1,4 +1,5 @@
-"""The transformers internals that `hf_hyperdflash.generation` relies on are still there and still behave as assumed.
+"""The transformers internals the runtime relies on (listed in `hf_hyperdflash/modeling/transformers_compat.py`) are
+still there and still behave as assumed, on every supported transformers version (CI runs this on 5.23 and 5.24).
 
 Speculative decoding runs inside transformers' own `_assisted_decoding`, with our candidate generator swapped in
 per call, and the drafter conditions on the input of the target's `model.hc_head`. A transformers release that
@@ -9,6 +10,7 @@ import ast
 import inspect
 import textwrap
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,13 @@ import torch
 import transformers
 import transformers.generation.utils as generation_utils
 from packaging.requirements import Requirement
-from transformers import GenerationConfig, GenerationMixin
+from packaging.version import Version
+from transformers import DynamicCache, GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead, DeepseekV4PreTrainedModel
 
-from hf_hyperdflash import generation
+from hf_hyperdflash.modeling import candidate_generator, transformers_compat
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
@@ -50,10 +54,24 @@ def test_transformers_version_is_inside_the_pinned_range():
 
 
 def test_generate_signature_has_what_the_wrapper_binds():
-    parameters = inspect.signature(generation._ORIGINAL_GENERATE).parameters
+    original = GenerationMixin.generate.__wrapped__  # the integration wraps generate once
+    parameters = inspect.signature(original).parameters
     assert {"inputs", "generation_config", "assistant_model", "kwargs"} <= set(parameters)
     assert parameters["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
-    assert inspect.signature(GenerationMixin.generate) == inspect.signature(generation._ORIGINAL_GENERATE)
+    assert inspect.signature(GenerationMixin.generate) == inspect.signature(original)
+
+
+def test_cache_argument_is_the_installed_versions():
+    """5.24 renamed the cache argument and output field to `cache`; the runtime passes whichever this version takes."""
+    expected = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
+    assert transformers_compat.CACHE_ARGUMENT == expected
+    for function in (GenerationMixin.prepare_inputs_for_generation, create_sliding_window_causal_mask):
+        assert expected in inspect.signature(function).parameters
+    model = tiny_deepseek_v4()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the name we pass must not be a deprecated alias
+        outputs = model(torch.tensor([[5, 17, 33]]), **{expected: DynamicCache(config=model.config)}, use_cache=True)
+    assert isinstance(getattr(outputs, expected), DynamicCache)
 
 
 def test_assisted_decoding_builds_the_candidate_generator_with_keywords_only():
@@ -75,9 +93,19 @@ def test_assisted_decoding_passes_model_outputs_when_the_generator_asks_for_them
     (call,) = calls
     assert [arg.id for arg in call.args] == ["input_ids"]
     assert _keywords(call) == {"model_kwargs", "model_outputs", "is_first_iteration", "n_last_matches"}
-    ours = inspect.signature(generation.SpeculativeCandidateGenerator.get_candidates).parameters
+    ours = inspect.signature(candidate_generator.SpeculativeCandidateGenerator.get_candidates).parameters
     assert _keywords(call) <= set(ours)
     assert CandidateGenerator.requires_model_outputs is False  # the attribute our generator overrides
+
+
+def test_generate_builds_the_stopping_criteria_once_with_keywords_only():
+    """Our per-instance `_get_stopping_criteria` wraps the list generate() builds and hands to the decoding loop."""
+    generate_source = ast.parse(textwrap.dedent(inspect.getsource(GenerationMixin.generate.__wrapped__)))
+    (call,) = _calls(generate_source, "_get_stopping_criteria")
+    assert isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+    assert not call.args and {"generation_config", "stopping_criteria"} <= _keywords(call)
+    (check,) = [c for c in _calls(ASSISTED_DECODING, "stopping_criteria")]
+    assert [arg.id for arg in check.args] == ["input_ids", "scores"]  # called once per step, after appending
 
 
 def test_assisted_decoding_reports_matches_to_the_generator():

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..training.data import Messages, jsonl_records, load_prompts, prompt_from_record
+from ..prompts import Messages, jsonl_records, load_prompts, prompt_from_record
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 LIVECODEBENCH_FILES = tuple(

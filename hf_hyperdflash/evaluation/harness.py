@@ -17,10 +17,11 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import reference
-from ..generation import check_compatible
+from ..modeling.integration import check_compatible
+from ..modeling.strict_loading import check_drafter_path
+from ..modeling.targets import get_target_adapter
+from ..prompts import Messages
 from ..reference import DRAFTER_KINDS
-from ..targets import get_target_adapter
-from ..training.data import Messages
 from .prompts import chat_ids
 from .runner import Method, MethodResult, run_methods, warm_up
 
@@ -67,10 +68,25 @@ def reference_drafter_dirs(notes: list[str]) -> dict[str, Path]:
     return {kind: path for kind, path in paths.items() if path is not None}
 
 
+def check_drafter(name: str, path: str | Path) -> None:
+    """A one-line ValueError naming the drafter for a path that holds no loadable drafter (check_drafter_path)."""
+    try:
+        check_drafter_path(path)
+    except ValueError as error:
+        raise ValueError(f"Drafter {name!r}: {error}") from error
+
+
 def load_drafter(name: str, path: str | Path, target: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     """A saved drafter (HyperDFlash, vanilla DFlash or native MTP) next to the target's head, checked against it."""
+    check_drafter(name, path)
     device = target.get_output_embeddings().weight.device
-    drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+    try:
+        drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+    except OSError as error:  # a Hub id (or a relative path shaped like one) that could not be fetched
+        raise ValueError(
+            f"Drafter {name!r}: {path} is not a local folder, and loading it as a Hub id failed ({error}). Check the "
+            "path, or the Hub id and your connection."
+        ) from error
     try:
         check_compatible(get_target_adapter(target), drafter)
     except ValueError as error:

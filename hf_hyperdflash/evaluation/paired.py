@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import DegenerateDataWarning, bootstrap
 
+from .options import POOL_SEPARATOR  # the --tau-ratio pooling syntax, readable by --help without torch
 from .runner import MethodResult
 
 
@@ -43,9 +44,6 @@ def _per_prompt(result: MethodResult) -> tuple[np.ndarray, np.ndarray]:
     accepted = np.array([run["accepted_drafts"] for run in result.runs], dtype=np.float64)
     steps = np.array([run["verify_steps"] for run in result.runs], dtype=np.float64)
     return accepted, steps
-
-
-POOL_SEPARATOR = "+"  # "a+b": one side of a tau ratio made of several methods
 
 
 def pool_members(side: str) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..training.data import Messages, encode_prompt
+from ..prompts import Messages, encode_prompt
 from .datasets import load_prompt_set
 
 

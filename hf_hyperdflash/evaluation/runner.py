@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..decoding import decoding_settings
-from ..generation import synchronized_clock
+from ..modeling.generation_stats import acceptance_per_position, mean_accepted_length
+from ..modeling.step_timer import synchronized_clock
 
 LATENCY_PARTS = ("draft", "verify", "rollback")
 
@@ -78,18 +79,12 @@ class MethodResult:
     @property
     def tau(self) -> float:
         """Mean accepted length per verify step, counting the bonus token."""
-        steps = len(self.accepted_per_step)
-        return (sum(self.accepted_per_step) + steps) / steps if steps else math.nan
+        return mean_accepted_length(self.accepted_per_step)
 
     @property
     def acceptance_per_position(self) -> list[float]:
         """Share of the steps that drafted position k whose drafts were accepted up to k."""
-        longest = max(self.proposed_per_step, default=0)
-        rates = []
-        for k in range(1, longest + 1):
-            outcomes = [a >= k for a, p in zip(self.accepted_per_step, self.proposed_per_step, strict=True) if p >= k]
-            rates.append(sum(outcomes) / len(outcomes))
-        return rates
+        return acceptance_per_position(self.accepted_per_step, self.proposed_per_step)
 
     @property
     def forwards_per_token(self) -> float:

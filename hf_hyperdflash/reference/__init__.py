@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import _load_runtime
+
+_load_runtime()  # the shipped drafters carry no remote code: they load through the Auto classes registered here
+
 ASSETS = Path(__file__).parent / "assets"
 DRAFTER_KINDS = ("hyperdflash", "vanilla_dflash")
 

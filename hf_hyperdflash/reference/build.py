@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -22,8 +23,8 @@ from transformers import AutoTokenizer, DeepseekV4ForCausalLM, PreTrainedModel, 
 from ..chat_format import synthetic_reasoning, train_chat_tokenizer
 from ..modeling.modeling_deepseek_v4_mtp import DeepseekV4MTPForDrafting
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
+from ..modeling.targets import DeepseekV4Target
 from ..sharegpt import Conversation, load_conversations
-from ..targets.deepseek_v4 import DeepseekV4Target
 from ..testing import randomize_hash_table
 from ..training.curves import plot_curves
 from ..training.loop import LoopConfig, run_training
@@ -163,11 +164,22 @@ def train_mtp(tokenizer: PreTrainedTokenizerFast, work_dir: Path, loop: LoopConf
 
 
 def export_bf16(model_class: type[PreTrainedModel], source: Path, destination: Path) -> None:
-    """Re-save a trained model as bf16 safetensors (the shipped form)."""
+    """Re-save a trained model as bf16 safetensors (the shipped form): weights and config only.
+
+    A drafter's remote code and model card are left out, so the package holds one copy of its runtime; the library
+    loads the shipped folder through its registered classes, and `save_pretrained` from there writes a complete,
+    publishable folder (tests/test_hub_path.py loads one in a process without the library).
+    """
     model = model_class.from_pretrained(source, dtype=torch.float32).to(torch.bfloat16)
     if destination.exists():
         shutil.rmtree(destination)
     model.save_pretrained(destination, safe_serialization=True)
+    for generated in [*destination.glob("*.py"), destination / "README.md"]:
+        generated.unlink(missing_ok=True)
+    config_file = destination / "config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("auto_map", None)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def export_drafters(drafters_dir: Path, out: Path) -> None:

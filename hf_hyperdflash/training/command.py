@@ -1,18 +1,6 @@
-"""`hyperdflash train`: generate the target's replies, then train a drafter on them with the frozen target.
-
-    hyperdflash train --output-dir runs/drafter --total-steps 2000
-    accelerate launch --multi_gpu --num_processes 2 -m hf_hyperdflash.training.command --output-dir runs/drafter
-
-Several processes split the reply generation and train data-parallel. Without a GPU, the `--multi_gpu` launch
-above runs the processes on CPU over gloo (as does `torchrun --nproc_per_node 2 -m ...`); note that
-`accelerate launch --cpu --num_processes 2` starts a single process (accelerate's multi-CPU mode needs MPI).
-
-Settings come from flags, or from `--config file.json` (keys are the option names with underscores, e.g.
-{"block_size": 8}); flags given on the command line override the file. Re-running the same command resumes
-both the data generation and the training. Output: OUTPUT_DIR/data (replies), OUTPUT_DIR/run (checkpoint,
-log.jsonl, curves.png), OUTPUT_DIR/drafter (the trained drafter, loads with
-`AutoModel.from_pretrained(dir, trust_remote_code=True)`).
-"""
+"""`hyperdflash train`: the run, also a module entry point for multi-process launches (`accelerate launch
+--multi_gpu --num_processes 2 -m hf_hyperdflash.training.command ...`). The options, their defaults and the help
+text are in `options`, which --help can import without torch."""
 
 from __future__ import annotations
 
@@ -25,212 +13,24 @@ from accelerate import Accelerator
 from transformers import AutoTokenizer
 
 from .. import reference
-from .data import encode_prompt, generate_replies, load_examples, load_prompts
+from ..cli import run_command
+from ..modeling.strict_loading import check_drafter_path
+from ..prompts import encode_prompt, load_prompts
+from . import options
+from .data import generate_replies, load_examples
 from .loop import LoopConfig
-from .losses import TEACHERS, LossConfig
-from .trainer import QUANTIZATIONS, build_drafter, load_target, optimizer_factory, train_drafter
+from .losses import LossConfig
+from .options import DEFAULTS, DRAFTER_KINDS, add_train_arguments, resolve_settings
+from .trainer import (
+    build_drafter,
+    check_target_path,
+    check_tokenizer_path,
+    load_target,
+    optimizer_factory,
+    train_drafter,
+)
 
-DRAFTER_KINDS = {  # kind -> (reducer, conditioning)
-    "hyperdflash": ("inherited_gate", "pre_collapse"),
-    "vanilla_dflash": ("dense", "intermediate"),
-}
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(item) for item in text.split(",") if item.strip()]
-
-
-# Every option's default. argparse itself defaults everything to None, so `resolve_settings` can tell a flag given
-# on the command line (it wins) from one left out (then the config file, then this table).
-DEFAULTS = {
-    # models
-    "target": None,
-    "tokenizer": None,
-    "target_dtype": "auto",
-    "target_quantization": "none",
-    # drafter (None: the drafter config's own default, or unset for --init-from)
-    "drafter_kind": None,
-    "reducer": None,
-    "conditioning": None,
-    "block_size": None,
-    "num_layers": None,
-    "target_layer_ids": None,
-    "init_from": None,
-    "lora_rank": 0,
-    "lora_alpha": 16.0,
-    "lora_dropout": 0.0,
-    # data
-    "data": "sharegpt",
-    "data_split": "train",
-    "num_prompts": None,
-    "max_prompt_chars": None,
-    "data_dir": None,
-    "max_new_tokens": 256,
-    "temperature": 0.0,
-    "thinking": False,
-    "generation_batch_size": 8,
-    "mixed_length_batches": False,
-    "max_length": 2048,
-    # loss
-    "anchors_per_sequence": 16,
-    "gamma": None,
-    "kl_weight": 0.1,
-    "kl_positions": 2,
-    "teacher": "mean_pool",
-    # loop
-    "total_steps": 2000,
-    "batch_size": 4,
-    "gradient_accumulation_steps": 1,
-    "learning_rate": 6e-4,
-    "warmup_steps": 100,
-    "weight_decay": 0.01,
-    "max_grad_norm": 1.0,
-    "mixed_precision": "no",
-    "optimizer": "adamw",
-    "checkpoint_every": 200,
-    "log_every": 10,
-    "seed": 0,
-    # evaluation
-    "eval_every": 200,
-    "eval_prompts": 8,
-    "eval_data": "sharegpt",
-    "eval_split": "held_out",
-    "eval_max_new_tokens": 64,
-    # output
-    "output_dir": None,
-}
-
-
-def _option(group: argparse._ArgumentGroup, flag: str, text: str, **extra) -> None:
-    default = DEFAULTS[flag[2:].replace("-", "_")]
-    shown = "" if default is None else f" (default: {default})"
-    group.add_argument(flag, default=None, help=text + shown, **extra)
-
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Every `hyperdflash train` option, grouped, plus `--config`."""
-    parser.add_argument("--config", type=Path, help="JSON file of option values (underscore keys); flags win.")
-    flag = argparse.BooleanOptionalAction
-
-    models = parser.add_argument_group("models")
-    _option(models, "--target", "Path or Hub id of the DeepSeek-V4 target. Default: the shipped reference target.")
-    _option(models, "--tokenizer", "Tokenizer path or Hub id. Default: the reference's, or the target's.")
-    _option(models, "--target-dtype", "dtype of the frozen target.", choices=["auto", "float32", "bfloat16"])
-    _option(
-        models,
-        "--target-quantization",
-        "Load the frozen target in 8 or 4 bits (bitsandbytes: CUDA and the `quantization` extra).",
-        choices=list(QUANTIZATIONS),
-    )
-
-    drafter = parser.add_argument_group("drafter")
-    _option(
-        drafter,
-        "--drafter-kind",
-        "hyperdflash (default): inherited HC-gate reducer on the final pre-collapse residual; "
-        "vanilla_dflash: dense reducer on intermediate target layers.",
-        choices=list(DRAFTER_KINDS),
-    )
-    _option(drafter, "--reducer", "Override the kind's reducer.", choices=["inherited_gate", "dense"])
-    _option(drafter, "--conditioning", "Override the kind's conditioning.", choices=["pre_collapse", "intermediate"])
-    _option(drafter, "--block-size", "Tokens per draft block, anchor included. Default: 16.", type=int)
-    _option(drafter, "--num-layers", "Number of draft layers. Default: 2.", type=int)
-    _option(
-        drafter,
-        "--target-layer-ids",
-        "Comma-separated target layers for intermediate conditioning. Default: a DFlash-style spread.",
-        type=_int_list,
-    )
-    _option(
-        drafter,
-        "--init-from",
-        "Fine-tune this saved drafter directory instead of training a new one (its config is kept, so the "
-        "drafter options above must stay unset).",
-    )
-    _option(
-        drafter,
-        "--lora-rank",
-        "> 0: fine-tune --init-from with LoRA adapters of this rank on the draft layers' projections; the "
-        "saved drafter has them merged.",
-        type=int,
-    )
-    _option(drafter, "--lora-alpha", "LoRA scaling numerator.", type=float)
-    _option(drafter, "--lora-dropout", "Dropout on the LoRA path.", type=float)
-
-    data = parser.add_argument_group("data (the target's own replies)")
-    _option(
-        data,
-        "--data",
-        "Prompts: 'sharegpt' (first user turn of the packaged ShareGPT), a JSONL file of {'messages': [...]} "
-        "or {'prompt': ...} records, or a Hugging Face dataset name (needs `datasets`).",
-    )
-    _option(data, "--data-split", "ShareGPT side (train / held_out) or Hub dataset split of --data.")
-    _option(data, "--num-prompts", "Use only the first N prompts. Default: all.", type=int)
-    _option(data, "--max-prompt-chars", "Skip prompts longer than this many characters. Default: keep all.", type=int)
-    _option(data, "--data-dir", "Where replies are stored (resumable). Default: OUTPUT_DIR/data.")
-    _option(data, "--max-new-tokens", "Longest reply per prompt.", type=int)
-    _option(data, "--temperature", "Sampling temperature of the replies; 0 = greedy (no top-k/top-p).", type=float)
-    _option(data, "--thinking", "Chat template in thinking mode (enable_thinking).", action=flag)
-    _option(data, "--generation-batch-size", "Prompts per target.generate call.", type=int)
-    _option(
-        data,
-        "--mixed-length-batches",
-        "Batch prompts of different lengths with left padding: faster, but V4's compressors then see the "
-        "padding, so replies differ from unbatched ones. Off: a batch holds prompts of one length.",
-        action=flag,
-    )
-    _option(data, "--max-length", "Cut training sequences (prompt + reply) to this many tokens.", type=int)
-
-    loss = parser.add_argument_group("loss")
-    _option(loss, "--anchors-per-sequence", "Draft blocks sampled per sequence, anew every epoch.", type=int)
-    _option(loss, "--gamma", "CE weight of slot k is exp(-(k-1)/gamma). Default: 7*(B-1)/15 (7 at B=16).", type=float)
-    _option(loss, "--kl-weight", "alpha of the KL term (0: KL only logged).", type=float)
-    _option(loss, "--kl-positions", "First block slots that get the KL term.", type=int)
-    _option(
-        loss,
-        "--teacher",
-        "KL teacher: mean_pool = lm_head(norm(mean of mHC streams)) (paper); gated = lm_head(norm(hc_head(.))), "
-        "the target's real logits.",
-        choices=list(TEACHERS),
-    )
-
-    loop = parser.add_argument_group("loop")
-    _option(loop, "--total-steps", "Optimizer steps.", type=int)
-    _option(loop, "--batch-size", "Sequences per process per micro-batch.", type=int)
-    _option(loop, "--gradient-accumulation-steps", "Micro-batches per optimizer step.", type=int)
-    _option(loop, "--learning-rate", "Peak learning rate (linear warmup, then cosine decay).", type=float)
-    _option(loop, "--warmup-steps", "Warmup steps.", type=int)
-    _option(loop, "--weight-decay", "AdamW weight decay.", type=float)
-    _option(loop, "--max-grad-norm", "Gradient clipping norm.", type=float)
-    _option(loop, "--mixed-precision", "bf16 autocast, or fp32 throughout.", choices=["no", "bf16"])
-    _option(loop, "--optimizer", "adamw (torch) or adamw_8bit (bitsandbytes, CUDA).", choices=["adamw", "adamw_8bit"])
-    _option(loop, "--checkpoint-every", "Steps between checkpoints; rerunning the command resumes.", type=int)
-    _option(loop, "--log-every", "Steps between log.jsonl records.", type=int)
-    _option(loop, "--seed", "Seed of the drafter init, batch order, anchors and sampled replies.", type=int)
-
-    evaluation = parser.add_argument_group("evaluation (tau through target.generate)")
-    _option(evaluation, "--eval-every", "Steps between tau measurements, and at the end (0: never).", type=int)
-    _option(evaluation, "--eval-prompts", "Number of prompts for tau (0: no evaluation).", type=int)
-    _option(evaluation, "--eval-data", "Prompt source for tau, as --data.")
-    _option(evaluation, "--eval-split", "Split of --eval-data (ShareGPT's held-out side by default).")
-    _option(evaluation, "--eval-max-new-tokens", "Tokens generated per tau prompt (greedy).", type=int)
-
-    output = parser.add_argument_group("output")
-    _option(output, "--output-dir", "Required. Holds data/, run/ (checkpoint, log.jsonl, curves.png), drafter/.")
-    return parser
-
-
-def resolve_settings(args: argparse.Namespace) -> dict:
-    """Command-line flags, else the `--config` file, else the defaults; unknown config keys are an error."""
-    from_file = json.loads(Path(args.config).read_text()) if args.config else {}
-    unknown = sorted(set(from_file) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"Unknown keys {unknown} in {args.config}; valid keys: {sorted(DEFAULTS)}.")
-    settings = {**DEFAULTS, **from_file}
-    settings.update({name: value for name, value in vars(args).items() if name in DEFAULTS and value is not None})
-    if settings["output_dir"] is None:
-        raise ValueError("Pass --output-dir (or 'output_dir' in the config file).")
-    return settings
+__all__ = ["DEFAULTS", "DRAFTER_KINDS", "add_train_arguments", "main", "resolve_settings", "run_train"]
 
 
 def _drafter_overrides(settings: dict) -> dict:
@@ -271,10 +71,14 @@ def run_train(args: argparse.Namespace) -> Path:
         teacher=settings["teacher"],
     )
     make_optimizer = optimizer_factory(settings["optimizer"])
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=loop.mixed_precision)
     target_path = settings["target"] or _reference_target()
-    default_tokenizer = target_path if settings["target"] else reference.tokenizer_path()
-    tokenizer = AutoTokenizer.from_pretrained(settings["tokenizer"] or default_tokenizer)
+    tokenizer_path = settings["tokenizer"] or (target_path if settings["target"] else reference.tokenizer_path())
+    check_target_path(target_path)  # wrong paths fail now, in one line, not after minutes of loading
+    check_tokenizer_path(tokenizer_path)
+    if settings["init_from"] is not None:
+        check_drafter_path(settings["init_from"])
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=loop.mixed_precision)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     target = load_target(target_path, accelerator.device, settings["target_dtype"], settings["target_quantization"])
 
     torch.manual_seed(loop.seed)
@@ -330,9 +134,9 @@ def run_train(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="hyperdflash train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="hyperdflash train", description=options.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    run_train(add_train_arguments(parser).parse_args(argv))
+    run_command(parser.prog, run_train, add_train_arguments(parser).parse_args(argv))
 
 
 if __name__ == "__main__":

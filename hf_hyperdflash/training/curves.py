@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import matplotlib
@@ -11,6 +12,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 NOT_CURVES = {"step", "lr", "grad_norm", "tokens_per_second"}
+MAX_COLUMNS = 3
+PANEL_INCHES = (4.5, 3.2)  # width, height of one panel
+DPI = 110
+
+
+def grid_shape(panels: int, max_columns: int = MAX_COLUMNS) -> tuple[int, int]:
+    """(rows, columns) of a grid for `panels` panels: at most `max_columns` wide, as few rows as that allows, so
+    the figure stays readable at normal size however many terms are logged."""
+    columns = max(1, min(panels, max_columns))
+    return max(1, math.ceil(panels / columns)), columns
 
 
 def read_log(log_path: str | Path) -> list[dict]:
@@ -18,11 +29,15 @@ def read_log(log_path: str | Path) -> list[dict]:
 
 
 def plot_curves(log_paths: dict[str, str | Path], out_png: str | Path, title: str = "training") -> Path:
-    """One panel per logged term, one line per run (label -> log path)."""
+    """One panel per logged term, one line per run (label -> log path), in a grid of `grid_shape(terms)`."""
     runs = {label: read_log(path) for label, path in log_paths.items()}
     terms = sorted({k for records in runs.values() for r in records for k in r} - NOT_CURVES)
-    fig, axes = plt.subplots(1, len(terms), figsize=(4.5 * len(terms), 3.5), squeeze=False)
-    for axis, term in zip(axes[0], terms, strict=False):
+    rows, columns = grid_shape(len(terms))
+    width, height = PANEL_INCHES
+    fig, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows), squeeze=False)
+    for axis in axes.flat[len(terms) :]:  # the last row's empty cells
+        axis.set_visible(False)
+    for axis, term in zip(axes.flat, terms, strict=False):
         for label, records in runs.items():
             points = [(r["step"], r[term]) for r in records if term in r]
             if points:
@@ -35,6 +50,6 @@ def plot_curves(log_paths: dict[str, str | Path], out_png: str | Path, title: st
     fig.suptitle(title)
     fig.tight_layout()
     out_png = Path(out_png)
-    fig.savefig(out_png, dpi=110)
+    fig.savefig(out_png, dpi=DPI)
     plt.close(fig)
     return out_png

@@ -150,7 +150,8 @@ def run_training(
     `compute_losses(model, batch)` returns named loss terms; "loss" is optimised, every term is logged to
     `run_dir/log.jsonl`. A checkpoint in `run_dir/checkpoint` is resumed automatically. With
     `config.eval_every`, the main process logs `evaluate(unwrapped model)` (in eval mode, no grad) every
-    `eval_every` steps and at the last one, while the other processes wait.
+    `eval_every` steps and at the last one, and prints it as one line (`step 200: tau 3.12`), while the other
+    processes wait.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -224,6 +225,8 @@ def run_training(
                     metrics = evaluate(accelerator.unwrap_model(model))
                 model.train()
                 _write_log(log_path, {"step": done, **metrics})
+                # e.g. "step 200: tau 3.12", above the progress bar rather than through it
+                tqdm.write(f"step {done}: " + ", ".join(f"{name} {value:.2f}" for name, value in metrics.items()))
             accelerator.wait_for_everyone()
         if _due(done, config.checkpoint_every, config.total_steps):
             _save_checkpoint(accelerator, run_dir, done, config)

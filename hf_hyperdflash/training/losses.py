@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..targets import DeepseekV4Target
+from ..modeling.targets import DeepseekV4Target
 from .collator import IGNORE_INDEX
-
-TEACHERS = ("mean_pool", "gated")
+from .options import TEACHERS  # the --teacher choices, defined where --help can read them without torch
 
 
 @dataclass

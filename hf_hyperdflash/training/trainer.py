@@ -8,27 +8,31 @@ The loop is `run_training` (accelerate: multi-process, accumulation, cosine LR, 
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
 from ..evaluation.runner import MethodResult
-from ..generation import check_compatible
+from ..modeling.integration import check_compatible
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
-from ..targets import get_target_adapter
+from ..modeling.strict_loading import DRAFTER_MODEL_TYPES
+from ..modeling.targets import get_target_adapter
 from .collator import BlockCollator
 from .curves import plot_curves
 from .loop import EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
 from .losses import LossConfig, block_losses, teacher_logits
+from .options import QUANTIZATIONS  # the --target-quantization choices, readable by --help without torch
 
 # The draft layers' projections (attention and SwiGLU); the reducer, norms and mask embedding stay frozen.
 LORA_TARGET_MODULES = r".*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
-QUANTIZATIONS = ("none", "8bit", "4bit")
 
 
 def import_bitsandbytes(feature: str):
@@ -57,6 +61,46 @@ def optimizer_factory(name: str) -> OptimizerFactory:
     raise ValueError(f"`optimizer` must be 'adamw' or 'adamw_8bit', got {name!r}.")
 
 
+def _local_folder(path: str | os.PathLike, what: str) -> Path | None:
+    """The folder `path` names, or None for a Hub id (transformers resolves and reports those); a one-line
+    ValueError for a local path that does not exist (transformers would call it a malformed repo id)."""
+    text = os.fspath(path)
+    folder = Path(text).expanduser()
+    if folder.exists():
+        return folder
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        raise ValueError(
+            f"No {what} at {text}: the path does not exist. Check it, or pass a Hub id (org/name)."
+        ) from None
+    return None
+
+
+def check_tokenizer_path(path: str | os.PathLike) -> None:
+    """A one-line ValueError for a local tokenizer path that does not exist; Hub ids pass."""
+    _local_folder(path, "tokenizer")
+
+
+def check_target_path(path: str | os.PathLike) -> None:
+    """A one-line ValueError for a local path that holds no target model (missing, no config.json, or a drafter's
+    folder); Hub ids pass. Unsupported model families are refused once loaded (get_target_adapter)."""
+    folder = _local_folder(path, "target")
+    if folder is None:
+        return
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{path} holds no model (no config.json); pass the folder of a saved DeepSeek-V4 target, or a Hub id."
+        )
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return  # transformers reports an unreadable config
+    if model_type in DRAFTER_MODEL_TYPES:
+        raise ValueError(f"{path} holds a drafter ({model_type!r}), not a target; pass the target model's folder.")
+
+
 def load_target(
     path: str | Path, device: torch.device | str, dtype: str = "auto", quantization: str = "none"
 ) -> PreTrainedModel:
@@ -68,6 +112,7 @@ def load_target(
         import_bitsandbytes(f"A {quantization} target (target_quantization='{quantization}')")
         bits = {"load_in_8bit": True} if quantization == "8bit" else {"load_in_4bit": True}
         kwargs = {"quantization_config": BitsAndBytesConfig(**bits), "device_map": {"": device}}
+    check_target_path(path)
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     get_target_adapter(target)  # a clear error for unsupported families
     if quantization == "none":
@@ -93,7 +138,15 @@ def build_drafter(
         raise ValueError(
             f"Drafter settings {sorted(overrides)} only apply to a new drafter; `init_from` keeps the saved config."
         )
-    drafter = HyperDFlashForDrafting.from_pretrained(init_from, dtype=torch.float32)
+    try:
+        drafter = HyperDFlashForDrafting.from_pretrained(init_from, dtype=torch.float32)  # checks the path first
+    except ValueError as error:
+        if isinstance(error.__cause__, OSError) and not Path(init_from).expanduser().exists():
+            raise ValueError(  # not "corrupt": a Hub id (or a relative path shaped like one) that could not be fetched
+                f"{init_from} is not a local folder, and loading it as a Hub id failed ({error.__cause__}). Check "
+                "the path, or the Hub id and your connection."
+            ) from error
+        raise
     check_compatible(get_target_adapter(target), drafter)
     if not lora_rank:
         return drafter

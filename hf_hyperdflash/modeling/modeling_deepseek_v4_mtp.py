@@ -12,8 +12,6 @@ Deeper drafts reuse the module on its own `residual'`. Embedding and `lm_head` a
 are passed in at run time, never stored here.
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
@@ -25,24 +23,16 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4RMSNorm,
     DeepseekV4RotaryEmbedding,
 )
-from transformers.utils import ModelOutput
 
 from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
+from .integration import DEFAULT_MTP_DEPTH, install_generate_integration
+from .model_card import ModelCardMixin
+from .modeling_outputs import DrafterOutput
 from .strict_loading import StrictLoadingMixin
-
-DEFAULT_DRAFT_STEPS = 3
-
-
-@dataclass
-class DeepseekV4MTPOutput(ModelOutput):
-    """`last_hidden_state` feeds the target's lm_head; `residual` (pre-collapse) feeds the next MTP step."""
-
-    last_hidden_state: torch.Tensor | None = None
-    residual: torch.Tensor | None = None
-    past_key_values: object | None = None
+from .transformers_compat import CACHE_ARGUMENT
 
 
-class DeepseekV4MTPForDrafting(StrictLoadingMixin, DeepseekV4PreTrainedModel):
+class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, DeepseekV4PreTrainedModel):
     """Inherits V4's weight init, fp32-kept modules and no-split rules; it is not a generator itself."""
 
     config_class = DeepseekV4MTPConfig
@@ -61,7 +51,7 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, DeepseekV4PreTrainedModel):
         self.rotary_emb = DeepseekV4RotaryEmbedding(config)
         self.post_init()
         self.generation_config = GenerationConfig(
-            num_assistant_tokens=DEFAULT_DRAFT_STEPS, num_assistant_tokens_schedule="constant"
+            num_assistant_tokens=DEFAULT_MTP_DEPTH, num_assistant_tokens_schedule="constant"
         )
 
     @classmethod
@@ -80,16 +70,16 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, DeepseekV4PreTrainedModel):
         token_embeds: torch.Tensor,
         previous_residual: torch.Tensor,
         position_ids: torch.LongTensor,
-        past_key_values=None,
-    ) -> DeepseekV4MTPOutput:
+        cache=None,
+    ) -> DrafterOutput:
         """token_embeds [B, S, D] (target embedding of token i+1), previous_residual [B, S, hc, D] (at i)."""
         mixed = self.e_proj(self.enorm(token_embeds)).unsqueeze(2) + self.h_proj(self.hnorm(previous_residual))
         mask = create_sliding_window_causal_mask(
             config=self.config,
             inputs_embeds=token_embeds,
             attention_mask=None,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{CACHE_ARGUMENT: cache},
         )
         position_embeddings = {
             kind: self.rotary_emb(token_embeds, position_ids=position_ids, layer_type=kind)
@@ -100,12 +90,13 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, DeepseekV4PreTrainedModel):
             position_embeddings=position_embeddings,
             position_ids=position_ids,
             attention_mask=mask,
-            past_key_values=past_key_values,
+            **{CACHE_ARGUMENT: cache},
         )
         hidden = self.norm(self.hc_head(residual))
-        return DeepseekV4MTPOutput(last_hidden_state=hidden, residual=residual, past_key_values=past_key_values)
+        return DrafterOutput(last_hidden_state=hidden, residual=residual, cache=cache)
 
 
 __all__ = ["DeepseekV4MTPForDrafting"]
 
 DeepseekV4MTPForDrafting.register_for_auto_class("AutoModel")
+install_generate_integration()  # a remote-code folder has no package __init__: loading this class is the hook

@@ -261,7 +261,7 @@ _REWINDABLE_LAYER_CLASSES = {
 
 
 class RewindableDeepseekV4Cache(DynamicCache):
-    """Drop-in `past_key_values` for the stock `DeepseekV4ForCausalLM` whose `crop` rolls back exactly.
+    """Drop-in cache for the stock `DeepseekV4ForCausalLM` whose `crop` rolls back exactly.
 
     After any forward pass, `crop` can remove up to `max_draft` of the latest tokens (in one or several calls),
     which is what verifying a draft of at most `max_draft` tokens and rejecting some of them needs. The extra memory

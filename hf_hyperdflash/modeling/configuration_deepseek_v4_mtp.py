@@ -2,6 +2,8 @@
 
 from transformers import DeepseekV4Config
 
+from .targets import target_fingerprint
+
 
 class DeepseekV4MTPConfig(DeepseekV4Config):
     """A one-block DeepSeek-V4 config describing the MTP module of a V4 target.
@@ -10,9 +12,12 @@ class DeepseekV4MTPConfig(DeepseekV4Config):
     sliding-window attention and top-k (non-hash) MoE. Every other dimension is the target's.
     `num_nextn_predict_layers` keeps the target's value for reference; drafting depth is
     `generation_config.num_assistant_tokens` (the module is reused on its own output).
+    `target_name_or_path` / `target_fingerprint` record the target it was built for (see HyperDFlashConfig).
     """
 
     model_type = "deepseek_v4_mtp"
+    target_name_or_path: str | None = None
+    target_fingerprint: str | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_hidden_layers != 1:
@@ -34,6 +39,8 @@ class DeepseekV4MTPConfig(DeepseekV4Config):
         ):
             settings.pop(key, None)
         settings["num_hidden_layers"] = 1
+        settings["target_name_or_path"] = target_config.name_or_path or None
+        settings["target_fingerprint"] = target_fingerprint(target_config)
         return cls(**settings)
 
 

@@ -35,6 +35,10 @@ class HyperDFlashConfig(PreTrainedConfig):
         target_layer_ids (`list[int]`, *optional*): 0-based target decoder layers whose outputs condition the drafter;
             required for, and only allowed with, `conditioning="intermediate"`.
         target_model_type (`str`): `model_type` of the target family.
+        target_name_or_path (`str`, *optional*): the target this drafter was built for (Hub id or path), for the
+            model card and for the warning when it runs with another target.
+        target_fingerprint (`str`, *optional*): hash of that target's architecture config; generate() warns when
+            the drafter runs with a target whose fingerprint differs.
     """
 
     model_type = "hyperdflash"
@@ -60,6 +64,8 @@ class HyperDFlashConfig(PreTrainedConfig):
     conditioning: str = "pre_collapse"
     target_layer_ids: list[int] | None = None
     target_model_type: str = "deepseek_v4"
+    target_name_or_path: str | None = None
+    target_fingerprint: str | None = None
 
     def __post_init__(self, **kwargs):
         self._check_fields()

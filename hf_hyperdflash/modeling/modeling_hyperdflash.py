@@ -9,7 +9,6 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -20,7 +19,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from .configuration_hyperdflash import TARGET_MODEL_TYPES, HyperDFlashConfig
+from .integration import install_generate_integration
+from .model_card import ModelCardMixin
+from .modeling_outputs import DrafterOutput
 from .strict_loading import StrictLoadingMixin
+from .targets import target_fingerprint
 
 
 def spread_target_layers(num_target_layers: int, count: int) -> list[int]:
@@ -118,13 +121,13 @@ class HyperDFlashAttention(nn.Module):
         block_rope: tuple[torch.Tensor, torch.Tensor],
         context_rope: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
     ) -> torch.Tensor:
         queries = apply_rotary(self.q_norm(self._heads(self.q_proj(hidden_states))), *block_rope)
         block_keys, block_values = self._key_values(hidden_states, *block_rope)
         context_keys, context_values = self._key_values(context, *context_rope)
-        if past_key_values is not None:
-            context_keys, context_values = past_key_values.update(context_keys, context_values, self.layer_idx)
+        if cache is not None:
+            context_keys, context_values = cache.update(context_keys, context_values, self.layer_idx)
         attn_output, _ = eager_attention_forward(
             self,
             queries,
@@ -153,7 +156,7 @@ class HyperDFlashDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class HyperDFlashForDrafting(StrictLoadingMixin, PreTrainedModel):
+class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel):
     """Drafts a block of `block_size - 1` tokens after each anchor in one non-causal forward.
 
     The conditioning residual is reduced to one vector per context position (`reducer`), normalised (`hidden_norm`)
@@ -215,6 +218,8 @@ class HyperDFlashForDrafting(StrictLoadingMixin, PreTrainedModel):
             "hc_eps": target_config.hc_eps,
             "max_position_embeddings": target_config.max_position_embeddings,
             "target_model_type": target_config.model_type,
+            "target_name_or_path": target_config.name_or_path or None,
+            "target_fingerprint": target_fingerprint(target_config),
             "head_dim": head_dim,
             "num_attention_heads": num_heads,
             "num_key_value_heads": max(1, num_heads // 4),
@@ -243,7 +248,7 @@ class HyperDFlashForDrafting(StrictLoadingMixin, PreTrainedModel):
         context_position_ids: torch.Tensor,
         anchor_position_ids: torch.Tensor,
         context_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: Cache | None,
     ) -> None:
         batch, num_blocks = anchor_embeds.shape[:2]
         hidden, streams = self.config.hidden_size, self.config.num_conditioning_layers * self.config.hc_mult
@@ -256,9 +261,9 @@ class HyperDFlashForDrafting(StrictLoadingMixin, PreTrainedModel):
             )
         if context_position_ids.shape != target_hidden.shape[:2] or anchor_position_ids.shape != (batch, num_blocks):
             raise ValueError("`context_position_ids` must be [batch, context], `anchor_position_ids` [batch, blocks].")
-        if past_key_values is not None and num_blocks != 1:
-            raise ValueError(f"With `past_key_values` the drafter drafts one block per call, got {num_blocks}.")
-        past = 0 if past_key_values is None else past_key_values.get_seq_length()
+        if cache is not None and num_blocks != 1:
+            raise ValueError(f"With `cache` the drafter drafts one block per call, got {num_blocks}.")
+        past = 0 if cache is None else cache.get_seq_length()
         if context_mask is not None and context_mask.shape != (batch, past + target_hidden.shape[1]):
             raise ValueError(f"`context_mask` must be [batch, {past + target_hidden.shape[1]}]: cached + new context.")
 
@@ -269,8 +274,8 @@ class HyperDFlashForDrafting(StrictLoadingMixin, PreTrainedModel):
         context_position_ids: torch.LongTensor,
         anchor_position_ids: torch.LongTensor,
         context_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-    ) -> BaseModelOutputWithPast:
+        cache: Cache | None = None,
+    ) -> DrafterOutput:
         r"""
         Args:
             anchor_embeds (`[batch, blocks, hidden]`): the anchor tokens embedded by the target, one per block.
@@ -278,19 +283,19 @@ class HyperDFlashForDrafting(StrictLoadingMixin, PreTrainedModel):
                 `hc_mult` (pre_collapse) or `len(target_layer_ids) * hc_mult` (intermediate, layer-major).
             context_position_ids (`[batch, context]`): absolute positions of the context entries.
             anchor_position_ids (`[batch, blocks]`): absolute position of each anchor token.
-            context_mask (`[batch, context]` bool, *optional*): False marks padding. With `past_key_values` it covers
+            context_mask (`[batch, context]` bool, *optional*): False marks padding. With `cache` it covers
                 the cached context followed by the new one.
-            past_key_values (`Cache`, *optional*): the drafter's context cache (e.g. an empty `DynamicCache` at the
+            cache (`Cache`, *optional*): the drafter's context cache (e.g. an empty `DynamicCache` at the
                 start). The new context K/V are appended to it and the single block (blocks must be 1) attends to all
                 cached context. Without it, block n sees only context at positions before its anchor: all blocks of a
                 sequence train in one forward.
 
         Returns:
-            `BaseModelOutputWithPast`: `last_hidden_state` `[batch, blocks * block_size, hidden]` after the final norm
-            (feed it to the target's `lm_head`), and `past_key_values`.
+            `DrafterOutput`: `last_hidden_state` `[batch, blocks * block_size, hidden]` after the final norm
+            (feed it to the target's `lm_head`), and `cache`.
         """
         self._check_inputs(
-            anchor_embeds, target_hidden, context_position_ids, anchor_position_ids, context_mask, past_key_values
+            anchor_embeds, target_hidden, context_position_ids, anchor_position_ids, context_mask, cache
         )
         dtype = self.mask_embedding.dtype
         batch, num_blocks, hidden = anchor_embeds.shape
@@ -302,10 +307,10 @@ class HyperDFlashForDrafting(StrictLoadingMixin, PreTrainedModel):
         slots = torch.arange(block_size, device=anchor_position_ids.device)
         block_position_ids = (anchor_position_ids.unsqueeze(-1) + slots).flatten(1)
 
-        if past_key_values is None:
+        if cache is None:
             context_visible = context_position_ids.unsqueeze(1) < anchor_position_ids.unsqueeze(2)
         else:
-            cached_length = past_key_values.get_seq_length() + context.shape[1]
+            cached_length = cache.get_seq_length() + context.shape[1]
             context_visible = torch.ones(batch, 1, cached_length, dtype=torch.bool, device=context.device)
         if context_mask is not None:
             context_visible = context_visible & context_mask.bool().unsqueeze(1)
@@ -314,11 +319,12 @@ class HyperDFlashForDrafting(StrictLoadingMixin, PreTrainedModel):
             "block_rope": self.rotary_emb(hidden_states, block_position_ids),
             "context_rope": self.rotary_emb(context, context_position_ids),
             "attention_mask": block_attention_mask(context_visible, block_size, dtype),
-            "past_key_values": past_key_values,
+            "cache": cache,
         }
         for layer in self.layers:
             hidden_states = layer(hidden_states, context, **attention_kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return DrafterOutput(last_hidden_state=self.norm(hidden_states), cache=cache)
 
 
 HyperDFlashForDrafting.register_for_auto_class("AutoModel")
+install_generate_integration()  # a remote-code folder has no package __init__: loading this class is the hook

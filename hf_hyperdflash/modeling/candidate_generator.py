@@ -1,0 +1,213 @@
+"""The candidate generator transformers' assisted decoding calls each step, and the drafters' proposers.
+
+`SpeculativeCandidateGenerator` turns the features captured during the last verify forward into the
+drafter's context and asks a proposer for the next draft: `BlockProposer` (HyperDFlash, vanilla DFlash:
+one non-causal forward per block) or `MTPProposer` (native MTP: one step per drafted token).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import LogitsProcessorList
+
+from .cache_deepseek_v4 import RewindableDeepseekV4Cache
+from .feature_capture import FeatureCapture
+from .generation_stats import GenerationStats
+from .step_timer import StepTimer
+from .target_deepseek_v4 import DeepseekV4Target
+from .transformers_compat import CACHE_ARGUMENT
+
+
+class TokenPicker:
+    """Applies the generation's logits processors to draft logits and picks (greedy) or samples a token.
+
+    The returned processed logits are exactly the distribution a token was drawn from, which is the
+    `q` that speculative sampling needs.
+    """
+
+    def __init__(self, logits_processor: LogitsProcessorList | None, do_sample: bool):
+        self.logits_processor = logits_processor
+        self.do_sample = do_sample
+
+    def __call__(self, prefix_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
+        logits = logits.float()
+        if self.logits_processor:
+            logits = self.logits_processor(prefix_ids, logits)
+        if self.do_sample:
+            token = torch.multinomial(logits.softmax(dim=-1), num_samples=1)
+        else:
+            token = logits.argmax(dim=-1, keepdim=True)
+        return token, logits
+
+
+class BlockProposer:
+    """HyperDFlash / vanilla DFlash: one non-causal drafter forward proposes a whole block."""
+
+    def __init__(self, drafter: PreTrainedModel, target: DeepseekV4Target):
+        self.drafter, self.target = drafter, target
+        self.cache = DynamicCache()
+
+    @property
+    def feature_layers(self) -> list[int] | None:
+        config = self.drafter.config
+        return list(config.target_layer_ids) if config.conditioning == "intermediate" else None
+
+    def propose(
+        self,
+        features: torch.Tensor,
+        positions: torch.LongTensor,
+        input_ids: torch.LongTensor,
+        num_tokens: int,
+        pick: TokenPicker,
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        device, dtype = self.drafter.device, self.drafter.dtype
+        anchor_embeds = self.target.embed(input_ids[:, -1:])
+        anchor_position = torch.full((1, 1), input_ids.shape[1] - 1, device=device)
+        hidden = self.drafter(
+            anchor_embeds=anchor_embeds.to(device, dtype),
+            target_hidden=features.to(device, dtype),
+            context_position_ids=positions.to(device),
+            anchor_position_ids=anchor_position,
+            cache=self.cache,
+        ).last_hidden_state
+        logits = self.target.logits(hidden[:, 1 : 1 + num_tokens])
+        return _pick_sequentially(input_ids, logits.to(input_ids.device), pick)
+
+
+class MTPProposer:
+    """Native MTP: one step per draft token, each reusing the module on its own pre-collapse output."""
+
+    feature_layers = None
+
+    def __init__(self, drafter: PreTrainedModel, target: DeepseekV4Target, num_draft_tokens: int):
+        self.drafter, self.target = drafter, target
+        self.cache = RewindableDeepseekV4Cache(config=drafter.config, max_draft=num_draft_tokens)
+
+    def _step(self, token_ids: torch.LongTensor, residual: torch.Tensor, positions: torch.LongTensor):
+        # The projections' dtype: `drafter.dtype` reports the first parameter's, a norm V4 may keep in fp32.
+        weight = self.drafter.e_proj.weight
+        device, dtype = weight.device, weight.dtype
+        embeds = self.target.embed(token_ids)
+        out = self.drafter(
+            token_embeds=embeds.to(device, dtype),
+            previous_residual=residual.to(device, dtype),
+            position_ids=positions.to(device),
+            cache=self.cache,
+        )
+        logits = self.target.logits(out.last_hidden_state[:, -1:])
+        return logits[:, 0].to(token_ids.device), out.residual[:, -1:]
+
+    def propose(
+        self,
+        features: torch.Tensor,
+        positions: torch.LongTensor,
+        input_ids: torch.LongTensor,
+        num_tokens: int,
+        pick: TokenPicker,
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        # Residual at position i pairs with the token at i + 1 (the newest one is the anchor).
+        logits, residual = self._step(input_ids[:, positions[0] + 1], features, positions + 1)
+        candidates, all_logits = input_ids, []
+        for depth in range(num_tokens):
+            token, processed = pick(candidates, logits)
+            candidates = torch.cat([candidates, token], dim=-1)
+            all_logits.append(processed)
+            if depth + 1 < num_tokens:
+                next_position = torch.full((1, 1), candidates.shape[1] - 1, device=input_ids.device)
+                logits, residual = self._step(token, residual, next_position)
+        self.cache.crop(-(num_tokens - 1))  # the deeper steps saw unverified tokens; keep only real context
+        return candidates[:, input_ids.shape[1] :], torch.stack(all_logits, dim=1)
+
+
+def _pick_sequentially(
+    input_ids: torch.LongTensor, logits: torch.Tensor, pick: TokenPicker
+) -> tuple[torch.LongTensor, torch.Tensor]:
+    """Pick block tokens left to right so processors (e.g. repetition penalty) see the drafted prefix."""
+    candidates, processed = input_ids, []
+    for k in range(logits.shape[1]):
+        token, row = pick(candidates, logits[:, k])
+        candidates = torch.cat([candidates, token], dim=-1)
+        processed.append(row)
+    return candidates[:, input_ids.shape[1] :], torch.stack(processed, dim=1)
+
+
+class SpeculativeCandidateGenerator(CandidateGenerator):
+    """Feeds the features of newly verified positions to the drafter and returns its proposals.
+
+    transformers calls `get_candidates` before every target forward; the first call returns no
+    candidates so that the prefill forward produces the first features, as its own MTP/DFlash
+    generators do. When the call continues from a cache that already holds a prefix of the prompt,
+    that prefill feeds only the rest, as plain decoding does (transformers' assisted loop would feed
+    the whole prompt again on top of the cache); the drafter's context then starts at the new tokens.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(
+        self,
+        proposer: BlockProposer | MTPProposer,
+        capture: FeatureCapture,
+        num_draft_tokens: int,
+        max_length: int,
+        pick: TokenPicker,
+        stats: GenerationStats,
+        timer: StepTimer,
+    ):
+        self.proposer, self.capture, self.pick, self.stats, self.timer = proposer, capture, pick, stats, timer
+        self.num_draft_tokens, self.max_length = num_draft_tokens, max_length
+        self.prompt_length: int | None = None
+        self.consumed = 0  # leading positions whose features were taken (fed to the drafter or pending)
+        self.model_kwargs_overrides: dict = {}  # merged into the target's forward inputs by transformers
+        self.pending: torch.Tensor | None = None  # verified features the drafter has not seen yet
+        self.last_proposed = 0
+
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict | None = None,
+        model_outputs=None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        self.timer.start_iteration()
+        self.stats.target_forwards += 1
+        self.last_proposed = 0
+        if is_first_iteration:
+            self.prompt_length = input_ids.shape[1]
+            self.consumed = model_kwargs[CACHE_ARGUMENT].get_seq_length()
+            self.model_kwargs_overrides = {}
+            if self.consumed:
+                self.model_kwargs_overrides["input_ids"] = input_ids[:, self.consumed :]
+                if model_kwargs.get("position_ids") is not None:
+                    self.model_kwargs_overrides["position_ids"] = model_kwargs["position_ids"][..., self.consumed :]
+            return input_ids, None
+        self.model_kwargs_overrides = {}
+
+        # The last target forward covered the tokens after the previous verified prefix; of those,
+        # everything but the newest (bonus) token of input_ids is verified now.
+        num_new = input_ids.shape[1] - 1 - self.consumed
+        features = self.capture.features()[:, :num_new]
+        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+        self.consumed = input_ids.shape[1] - 1
+
+        num_tokens = min(self.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
+        if num_tokens <= 0:
+            return input_ids, None
+        context = self.pending
+        self.pending = None
+        positions = torch.arange(input_ids.shape[1] - 1 - context.shape[1], input_ids.shape[1] - 1)[None]
+        with self.timer.timed("draft"):
+            tokens, logits = self.proposer.propose(
+                context, positions.to(input_ids.device), input_ids, num_tokens, self.pick
+            )
+        self.last_proposed = num_tokens
+        return torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1), logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        if self.last_proposed:
+            self.stats.accepted_per_step.append(int(num_matches))
+            self.stats.proposed_per_step.append(self.last_proposed)
+        self.stats.new_tokens = input_ids.shape[1] - self.prompt_length

@@ -1,0 +1,77 @@
+"""What one speculative `generate` call did, and the two acceptance measures every report uses.
+
+tau (mean accepted length per verify step) counts the bonus token the target adds at every step, so
+plain decoding has tau 1 and a drafter whose drafts are all rejected does too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+
+def mean_accepted_length(accepted_per_step: Sequence[int]) -> float:
+    """tau: accepted drafts plus the bonus token, averaged over verify steps (NaN with no step)."""
+    steps = len(accepted_per_step)
+    return (sum(accepted_per_step) + steps) / steps if steps else math.nan
+
+
+def acceptance_per_position(accepted_per_step: Sequence[int], proposed_per_step: Sequence[int]) -> list[float]:
+    """Entry k-1: of the steps that drafted position k, the share whose drafts were accepted up to k."""
+    outcomes = list(zip(accepted_per_step, proposed_per_step, strict=True))
+    rates = []
+    for k in range(1, max(proposed_per_step, default=0) + 1):
+        drafted = [accepted >= k for accepted, proposed in outcomes if proposed >= k]
+        rates.append(sum(drafted) / len(drafted))
+    return rates
+
+
+@dataclass(repr=False)
+class GenerationStats:
+    """Per-step record of one call; `drafter.last_generation_stats` after `generate(..., assistant_model=drafter)`.
+
+    Read it as attributes or, for older code, as a mapping (`stats["mean_accepted_length"]`). Its repr is a one-line
+    summary; the per-step lists stay available for analysis.
+    """
+
+    num_draft_tokens: int
+    target_forwards: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0  # wall time of the whole generate call
+    accepted_per_step: list[int] = field(default_factory=list)
+    proposed_per_step: list[int] = field(default_factory=list)
+    # Wall time of each verify step (aligned with accepted_per_step) and of its parts; see StepTimer.
+    step_seconds: list[float] = field(default_factory=list)
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+    rollback_seconds: list[float] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return mean_accepted_length(self.accepted_per_step)
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return acceptance_per_position(self.accepted_per_step, self.proposed_per_step)
+
+    def as_dict(self) -> dict:
+        summary = {"mean_accepted_length": self.mean_accepted_length}
+        summary["acceptance_per_position"] = self.acceptance_per_position
+        return summary | {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def keys(self) -> list[str]:
+        return list(self.as_dict())
+
+    def __getitem__(self, key: str):
+        if key not in self.keys():
+            raise KeyError(f"{key!r}; GenerationStats holds {self.keys()}")
+        return getattr(self, key)
+
+    def __repr__(self) -> str:
+        acceptance = ", ".join(f"{rate:.2f}" for rate in self.acceptance_per_position)
+        return (
+            f"GenerationStats(tau={self.mean_accepted_length:.2f}, acceptance_per_position=[{acceptance}], "
+            f"target_forwards={self.target_forwards}, new_tokens={self.new_tokens}, seconds={self.seconds:.2f})"
+        )

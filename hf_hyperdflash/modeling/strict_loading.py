@@ -1,0 +1,89 @@
+"""Drafter checkpoints load completely or not at all, and a wrong path says what is wrong with it.
+
+transformers would otherwise warn and randomly initialise missing weights, which for a drafter means
+silently useless drafts. Any missing, unexpected or mis-shaped weight, and any unreadable file, becomes a
+ValueError that names the checkpoint and the fix; so does a path that holds no drafter.
+"""
+
+import json
+import os
+from pathlib import Path
+
+from safetensors import SafetensorError
+
+from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
+from .configuration_hyperdflash import HyperDFlashConfig
+
+LOAD_PROBLEMS = ("missing_keys", "unexpected_keys", "mismatched_keys")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+DRAFTER_MODEL_TYPES = (HyperDFlashConfig.model_type, DeepseekV4MTPConfig.model_type)
+
+
+def _looks_local(path: str) -> bool:
+    """A Hub id is `name` or `org/name`; anything with more parts, a leading `.`, `/` or `~` is a folder."""
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+
+
+def check_drafter_path(path: str | os.PathLike) -> None:
+    """Raise a one-line ValueError when `path` is a local folder (or looks like one) that holds no loadable drafter.
+
+    Hub ids pass through untouched: transformers resolves and reports those.
+    """
+    text = os.fspath(path)
+    folder = Path(text).expanduser()
+    if not folder.exists():
+        if _looks_local(text):
+            raise ValueError(f"No drafter at {text}: the path does not exist. Check it, or pass a Hub id (org/name).")
+        return
+    if not folder.is_dir():
+        raise ValueError(f"The drafter path {text} is a file; pass the folder that holds config.json and the weights.")
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        if (folder / "drafter" / "config.json").exists():
+            raise ValueError(
+                f"{text} is a `hyperdflash train` output directory; the drafter is its subfolder {folder / 'drafter'}."
+            )
+        raise ValueError(
+            f"{text} holds no drafter (no config.json); pass a folder written by save_pretrained() or "
+            "`hyperdflash train` (OUTPUT_DIR/drafter)."
+        )
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"The drafter config {config_file} is not valid JSON ({error}); save it again.") from error
+    if model_type not in DRAFTER_MODEL_TYPES:
+        raise ValueError(
+            f"{text} holds a {model_type!r} model, not a drafter (model_type one of {DRAFTER_MODEL_TYPES}); "
+            "pass the drafter's folder, not the target's."
+        )
+    if not any((folder / name).exists() for name in WEIGHT_FILES):
+        raise ValueError(
+            f"{text} has a drafter config but no weights file ({WEIGHT_FILES[0]}): the save is incomplete; "
+            "save the drafter again."
+        )
+
+
+class StrictLoadingMixin:
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        check_drafter_path(pretrained_model_name_or_path)
+        return_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+            )
+        except (OSError, SafetensorError, json.JSONDecodeError, RuntimeError) as error:
+            raise ValueError(
+                f"Could not load the {cls.__name__} checkpoint at {pretrained_model_name_or_path}: {error}. "
+                "A file in it is corrupt or unreadable; save it again or re-download it."
+            ) from error
+        problems = {name: sorted(info[name]) for name in LOAD_PROBLEMS if info.get(name)}
+        if problems:
+            details = "; ".join(
+                f"{name}: {keys[:5]}{' ...' if len(keys) > 5 else ''}" for name, keys in problems.items()
+            )
+            raise ValueError(
+                f"The {cls.__name__} checkpoint at {pretrained_model_name_or_path} does not match its config "
+                f"({details}). It is partial or belongs to another drafter; save it again with save_pretrained()."
+            )
+        return (model, info) if return_info else model

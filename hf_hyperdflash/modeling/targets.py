@@ -1,0 +1,52 @@
+"""Target adapters, one per mHC model family."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from transformers import PretrainedConfig, PreTrainedModel
+
+from .feature_capture import FeatureCapture
+from .target_deepseek_v4 import DeepseekV4Target
+
+TARGET_FAMILIES = {"deepseek_v4": DeepseekV4Target}
+# The architecture of a target as far as its drafter cares: shapes, layer schedule, vocabulary.
+FINGERPRINT_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "hc_mult",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "layer_types",
+    "mlp_layer_types",
+    "compress_rates",
+    "sliding_window",
+    "n_routed_experts",
+    "moe_intermediate_size",
+    "max_position_embeddings",
+)
+
+
+def target_fingerprint(config: PretrainedConfig) -> str:
+    """A short hash of the target config's architecture fields: equal configs, equal fingerprints."""
+    described = {name: getattr(config, name, None) for name in FINGERPRINT_FIELDS}
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def get_target_adapter(model: PreTrainedModel) -> DeepseekV4Target:
+    """The adapter for `model`'s family; a clear error for families HyperDFlash does not support."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in TARGET_FAMILIES:
+        raise ValueError(
+            f"HyperDFlash does not support target model type {model_type!r} ({type(model).__name__}); "
+            f"supported families: {sorted(TARGET_FAMILIES)}. Use a DeepseekV4ForCausalLM target, or decode "
+            "without `assistant_model`."
+        )
+    return TARGET_FAMILIES[model_type](model)
+
+
+__all__ = ["DeepseekV4Target", "FeatureCapture", "TARGET_FAMILIES", "get_target_adapter", "target_fingerprint"]

@@ -1,0 +1,49 @@
+"""The transformers surface the runtime touches beyond its stable public API, in one place.
+
+Supported: transformers 5.23 and 5.24 (5.24 renamed the cache argument and output field from
+`past_key_values` to `cache`, keeping the old name as a deprecated alias). Every private name below is
+pinned by a test in `tests/test_transformers_internals.py`, run on both versions in CI:
+
+- `GenerationMixin.generate` signature: wrapped once, bound to find the assistant
+  (test_generate_signature_has_what_the_wrapper_binds)
+- `GenerationMixin._get_candidate_generator`: replaced on the target instance for one call
+  (test_assisted_decoding_builds_the_candidate_generator_with_keywords_only)
+- `GenerationMixin._get_stopping_criteria`: wrapped on the target instance for one call, to stop per token
+  (test_generate_builds_the_stopping_criteria_once_with_keywords_only)
+- `CandidateGenerator.model_kwargs_overrides`: feeds only the uncached part of the prompt on the first forward
+  (test_generation.py::test_continuing_from_a_returned_cache_matches_plain_decoding)
+- `CandidateGenerator.requires_model_outputs`: our generator receives each verify forward's outputs
+  (test_assisted_decoding_passes_model_outputs_when_the_generator_asks_for_them)
+- `update_candidate_strategy(input_ids, new_logits, n_matches)`: accepted drafts per step, for the stats
+  (test_assisted_decoding_reports_matches_to_the_generator)
+- `PreTrainedModel._is_stateful`: lifted on the target instance for one call
+  (test_stateful_guard_is_checked_on_the_instance)
+- `GenerationMixin._prepare_generation_config`: the merged config, to refuse bad requests before any work
+  (test_prepare_generation_config_returns_the_merged_config_and_model_kwargs)
+- `generation.utils._speculative_sampling`: verifies sampled drafts against our q
+  (test_speculative_sampling_is_a_module_function_fed_the_drafters_logits)
+- `Cache.crop` / `activate_past_recording` calls in `_assisted_decoding`: how the target is rewound
+  (test_assisted_decoding_rewinds_through_the_cache_api)
+- the input of `model.hc_head` (`DeepseekV4HyperHead`): the pre-collapse residual the drafter reads
+  (test_hc_head_collapses_the_pre_collapse_residual)
+- `DeepseekV4HCACache` / `DeepseekV4CSACache` state and hooks: what the rewindable cache intercepts
+  (tests/test_rewindable_cache.py)
+- the cache argument's name, `CACHE_ARGUMENT` below (test_cache_argument_is_the_installed_versions)
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Model
+
+# The keyword transformers' forward and generate() take the cache by ("cache" from 5.24 on).
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(DeepseekV4Model.forward).parameters else "past_key_values"
+# Both spellings a user may pass to generate() (5.24 still accepts the old one, with a FutureWarning).
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def pop_user_cache(generate_kwargs: dict):
+    """Remove the caller's cache from the generate() kwargs, whichever name it came under, and return it."""
+    found = [generate_kwargs.pop(name) for name in CACHE_ARGUMENTS if name in generate_kwargs]
+    return next((cache for cache in found if cache is not None), None)

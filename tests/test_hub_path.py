@@ -1,0 +1,214 @@
+"""The Hub path: a saved drafter carries the whole runtime, so a process that cannot import hf_hyperdflash gets
+lossless speculative decoding through `AutoModel.from_pretrained(dir, trust_remote_code=True)` alone.
+
+Each child process blocks `import hf_hyperdflash` with a `sys.meta_path` finder, turns FutureWarning and
+DeprecationWarning into errors (transformers 5.24 deprecates `past_key_values`; our code must not use it), loads a
+stock target and saved drafters, and compares speculative with plain greedy decoding.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationMixin
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+import hf_hyperdflash
+from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting, reference
+from hf_hyperdflash.modeling import integration
+from hf_hyperdflash.testing import tiny_deepseek_v4
+
+RUNTIME_DIR = Path(hf_hyperdflash.modeling.__file__).parent
+RUNTIME_FILES = {path.name for path in RUNTIME_DIR.glob("*.py")} - {"__init__.py"}
+README = Path(__file__).parents[1] / "README.md"
+
+BLOCK_LIBRARY = """
+import importlib.abc, sys, warnings
+class BlockLibrary(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "hf_hyperdflash":
+            raise ImportError(f"{name} is blocked: this process plays a user without the library")
+sys.meta_path.insert(0, BlockLibrary())
+try:
+    import hf_hyperdflash
+    raise SystemExit("the blocker did not block")
+except ImportError:
+    pass
+warnings.simplefilter("error", FutureWarning)
+warnings.simplefilter("error", DeprecationWarning)
+"""
+
+DECODE_EVERY_PAIR = """
+import json, sys, torch
+from transformers import AutoModel, AutoModelForCausalLM
+results = []
+for case in json.loads(sys.argv[1]):
+    target = AutoModelForCausalLM.from_pretrained(case["target"], dtype=torch.float32).eval()
+    prompt = torch.tensor([case["prompt"]])
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    for path in case["drafters"]:
+        drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+        speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+        stats = drafter.last_generation_stats
+        results.append({
+            "drafter": path,
+            "module": type(drafter).__module__,
+            "identical": torch.equal(plain, speculative),
+            "tau": stats.mean_accepted_length,
+            "new_tokens": stats.new_tokens,
+        })
+results.append({"library_imported": "hf_hyperdflash" in sys.modules})
+print(json.dumps(results))
+"""
+
+
+def run_child(tmp_path: Path, script: str, *args: str) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """A tiny stock V4 target and three drafters for it, saved as a user would publish them."""
+    root = tmp_path_factory.mktemp("hub")
+    target = tiny_deepseek_v4(seed=3)
+    target.save_pretrained(root / "target")
+    torch.manual_seed(0)
+    folders = {"target": root / "target"}
+    drafters = {
+        "hyperdflash": HyperDFlashForDrafting.from_target(target, block_size=4),
+        "vanilla_dflash": HyperDFlashForDrafting.from_target(
+            target, block_size=4, reducer="dense", conditioning="intermediate"
+        ),
+        "mtp": DeepseekV4MTPForDrafting.from_target(target),
+    }
+    for name, drafter in drafters.items():
+        drafter.save_pretrained(root / name)
+        folders[name] = root / name
+    # The shipped reference drafters, published the same way: loaded with the library, saved with save_pretrained.
+    for name, path in [*((kind, reference.drafter_path(kind)) for kind in reference.DRAFTER_KINDS), ("mtp", None)]:
+        source = path or reference.mtp_path()
+        AutoModel.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(root / f"reference_{name}")
+        folders[f"reference_{name}"] = root / f"reference_{name}"
+    return folders
+
+
+def test_save_pretrained_writes_the_whole_runtime(saved):
+    """Every runtime module but the other drafter kind's modeling file, written from the one source."""
+    other_kind = {"mtp": "modeling_hyperdflash.py"}
+    for name in ("hyperdflash", "vanilla_dflash", "mtp", "reference_hyperdflash", "reference_mtp"):
+        folder = saved[name]
+        shipped = {path.name for path in folder.glob("*.py")}
+        expected = RUNTIME_FILES - {other_kind.get(name.removeprefix("reference_"), "modeling_deepseek_v4_mtp.py")}
+        assert shipped == expected, name
+        for file in shipped:  # copies of the one source, not kept by hand
+            assert (folder / file).read_text() == (RUNTIME_DIR / file).read_text()
+        auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+        assert set(auto_map) == {"AutoConfig", "AutoModel"}
+        assert (folder / "README.md").exists()
+
+
+def test_runtime_imports_only_torch_transformers_and_itself():
+    allowed = {"torch", "transformers", "safetensors", "huggingface_hub", "__future__", *sys.stdlib_module_names}
+    for file in RUNTIME_DIR.glob("*.py"):
+        source = file.read_text()
+        absolute = re.findall(r"^\s*(?:from|import)\s+(\w+)", source, flags=re.MULTILINE)
+        assert set(absolute) <= allowed, (file.name, set(absolute) - allowed)
+
+
+def test_fresh_process_without_the_library_decodes_losslessly(saved, tmp_path):
+    prompt = [5, 17, 33, 9, 250, 11, 12, 40, 77, 3, 19, 23, 8, 101, 44, 6, 7, 90]  # longer than the sliding window
+    tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
+    messages = [{"role": "user", "content": "How do I make a good cup of coffee at home?"}]
+    chat_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    cases = [
+        {"target": str(saved["target"]), "prompt": prompt, "drafters": [str(saved["hyperdflash"]), str(saved["mtp"])]},
+        {
+            "target": str(reference.target_path()),
+            "prompt": list(chat_prompt["input_ids"]),
+            "drafters": [str(saved[f"reference_{k}"]) for k in ("hyperdflash", "vanilla_dflash", "mtp")],
+        },
+    ]
+    output = run_child(tmp_path, BLOCK_LIBRARY + DECODE_EVERY_PAIR, json.dumps(cases))
+    *results, status = json.loads(output.strip().splitlines()[-1])
+    assert status == {"library_imported": False}
+    assert len(results) == 5
+    for result in results:
+        assert result["module"].startswith("transformers_modules."), result
+        assert result["identical"], result
+        assert result["new_tokens"] == 24 and result["tau"] >= 1.0, result
+    shipped_tau = {Path(r["drafter"]).name: r["tau"] for r in results}
+    assert shipped_tau["reference_hyperdflash"] > 1.5  # the trained drafter really drafts through the remote code
+
+
+def test_readme_snippet_runs_without_the_library(saved, tmp_path):
+    """The README's "Use it on your own target" code, as written, minus nothing: it has no library import."""
+    text = README.read_text()
+    section = text[text.index("## Use it on your own target") :]
+    snippet = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL).group(1)
+    assert "hf_hyperdflash" not in snippet
+    prelude = textwrap.dedent(
+        f"""
+        import torch
+        target_path, drafter_path = {str(saved["target"])!r}, {str(saved["hyperdflash"])!r}
+        inputs = {{"input_ids": torch.tensor([[5, 17, 33, 9, 250, 11]])}}
+        """
+    )
+    check = textwrap.dedent(
+        """
+        plain = target.generate(**inputs, max_new_tokens=256, do_sample=False)
+        assert torch.equal(out, plain), "speculative output differs from plain decoding"
+        assert drafter.last_generation_stats.new_tokens == out.shape[1] - 6
+        print("ok")
+        """
+    )
+    assert run_child(tmp_path, BLOCK_LIBRARY + prelude + snippet + check).strip().endswith("ok")
+
+
+def test_library_and_remote_drafters_share_one_integration(saved):
+    """With the library imported, a remote-code drafter and a library drafter both work, under one wrapper.
+
+    (AutoModel itself hands out the library class once the library is imported; the remote class is what a process
+    that loaded remote code before importing the library holds.)"""
+    target = AutoModelForCausalLM.from_pretrained(saved["target"], dtype=torch.float32).eval()
+    local = AutoModel.from_pretrained(saved["hyperdflash"], trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(local) is HyperDFlashForDrafting
+    remote_class = get_class_from_dynamic_module("modeling_hyperdflash.HyperDFlashForDrafting", saved["hyperdflash"])
+    remote = remote_class.from_pretrained(saved["hyperdflash"], dtype=torch.float32).eval()
+    assert remote_class.__module__.startswith("transformers_modules.")
+    generate = GenerationMixin.generate
+    assert generate._hyperdflash_integration == integration.__name__  # the library's copy took over
+    assert not hasattr(generate.__wrapped__, "_hyperdflash_integration")  # wrapped once, not twice
+    prompt = torch.tensor([[5, 17, 33, 9, 250, 11, 12, 40]])
+    plain = target.generate(prompt, max_new_tokens=16, do_sample=False)
+    for drafter in (remote, local):
+        assert torch.equal(target.generate(prompt, assistant_model=drafter, max_new_tokens=16, do_sample=False), plain)
+        assert drafter.last_generation_stats.new_tokens == 16
+
+
+def test_library_takes_over_from_a_remote_code_integration(saved, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        from transformers import AutoModel, GenerationMixin
+        AutoModel.from_pretrained({str(saved["mtp"])!r}, trust_remote_code=True)
+        first = GenerationMixin.generate._hyperdflash_integration
+        AutoModel.from_pretrained({str(saved["hyperdflash"])!r}, trust_remote_code=True)  # a second remote copy
+        assert GenerationMixin.generate._hyperdflash_integration == first, "a second remote copy re-wrapped"
+        import hf_hyperdflash
+        generate = GenerationMixin.generate
+        assert generate._hyperdflash_integration == "hf_hyperdflash.modeling.integration"
+        assert not hasattr(generate.__wrapped__, "_hyperdflash_integration"), "wrapped twice"
+        print(first)
+        """
+    )
+    assert run_child(tmp_path, script).strip().startswith("transformers_modules.")
