@@ -18,7 +18,7 @@ from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import reference
 from ..modeling.integration import check_compatible
-from ..modeling.strict_loading import check_drafter_path
+from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
 from ..modeling.targets import get_target_adapter
 from ..prompts import Messages
 from ..reference import DRAFTER_KINDS
@@ -83,10 +83,7 @@ def load_drafter(name: str, path: str | Path, target: PreTrainedModel, dtype: to
     try:
         drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
     except OSError as error:  # a Hub id (or a relative path shaped like one) that could not be fetched
-        raise ValueError(
-            f"Drafter {name!r}: {path} is not a local folder, and loading it as a Hub id failed ({error}). Check the "
-            "path, or the Hub id and your connection."
-        ) from error
+        raise ValueError(f"Drafter {name!r}: {unreachable_hub_id(path, error)}") from error
     try:
         check_compatible(get_target_adapter(target), drafter)
     except ValueError as error:

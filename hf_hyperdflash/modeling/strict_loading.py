@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 
 from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
@@ -19,21 +20,38 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 DRAFTER_MODEL_TYPES = (HyperDFlashConfig.model_type, DeepseekV4MTPConfig.model_type)
 
 
-def _looks_local(path: str) -> bool:
-    """A Hub id is `name` or `org/name`; anything with more parts, a leading `.`, `/` or `~` is a folder."""
-    return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+def local_folder(path: str | os.PathLike, what: str) -> Path | None:
+    """The folder `path` names, or None for a Hub id (transformers resolves and reports those); a one-line
+    ValueError for a path that is neither (transformers would call it a malformed repo id, after a traceback)."""
+    text = os.fspath(path)
+    folder = Path(text).expanduser()
+    if folder.exists():
+        return folder
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        raise ValueError(
+            f"No {what} at {text}: the path does not exist. Check it, or pass a Hub id (org/name)."
+        ) from None
+    return None
+
+
+def unreachable_hub_id(path: str | os.PathLike, error: Exception) -> ValueError:
+    """The error for a name that is not a local folder and could not be fetched as a Hub id: not "corrupt"."""
+    return ValueError(
+        f"{os.fspath(path)} is not a local folder, and loading it as a Hub id failed ({error}). Check the path, or "
+        "the Hub id and your connection."
+    )
 
 
 def check_drafter_path(path: str | os.PathLike) -> None:
-    """Raise a one-line ValueError when `path` is a local folder (or looks like one) that holds no loadable drafter.
+    """Raise a one-line ValueError when `path` names a missing local path or a folder that holds no loadable drafter.
 
     Hub ids pass through untouched: transformers resolves and reports those.
     """
     text = os.fspath(path)
-    folder = Path(text).expanduser()
-    if not folder.exists():
-        if _looks_local(text):
-            raise ValueError(f"No drafter at {text}: the path does not exist. Check it, or pass a Hub id (org/name).")
+    folder = local_folder(path, "drafter")
+    if folder is None:
         return
     if not folder.is_dir():
         raise ValueError(f"The drafter path {text} is a file; pass the folder that holds config.json and the weights.")
@@ -73,6 +91,8 @@ class StrictLoadingMixin:
                 pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
             )
         except (OSError, SafetensorError, json.JSONDecodeError, RuntimeError) as error:
+            if isinstance(error, OSError) and not Path(os.fspath(pretrained_model_name_or_path)).expanduser().exists():
+                raise unreachable_hub_id(pretrained_model_name_or_path, error) from error
             raise ValueError(
                 f"Could not load the {cls.__name__} checkpoint at {pretrained_model_name_or_path}: {error}. "
                 "A file in it is corrupt or unreadable; save it again or re-download it."

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
@@ -23,7 +22,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedMod
 from ..evaluation.runner import MethodResult
 from ..modeling.integration import check_compatible
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
-from ..modeling.strict_loading import DRAFTER_MODEL_TYPES
+from ..modeling.strict_loading import DRAFTER_MODEL_TYPES, local_folder
 from ..modeling.targets import get_target_adapter
 from .collator import BlockCollator
 from .curves import plot_curves
@@ -61,31 +60,15 @@ def optimizer_factory(name: str) -> OptimizerFactory:
     raise ValueError(f"`optimizer` must be 'adamw' or 'adamw_8bit', got {name!r}.")
 
 
-def _local_folder(path: str | os.PathLike, what: str) -> Path | None:
-    """The folder `path` names, or None for a Hub id (transformers resolves and reports those); a one-line
-    ValueError for a local path that does not exist (transformers would call it a malformed repo id)."""
-    text = os.fspath(path)
-    folder = Path(text).expanduser()
-    if folder.exists():
-        return folder
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        raise ValueError(
-            f"No {what} at {text}: the path does not exist. Check it, or pass a Hub id (org/name)."
-        ) from None
-    return None
-
-
 def check_tokenizer_path(path: str | os.PathLike) -> None:
     """A one-line ValueError for a local tokenizer path that does not exist; Hub ids pass."""
-    _local_folder(path, "tokenizer")
+    local_folder(path, "tokenizer")
 
 
 def check_target_path(path: str | os.PathLike) -> None:
     """A one-line ValueError for a local path that holds no target model (missing, no config.json, or a drafter's
     folder); Hub ids pass. Unsupported model families are refused once loaded (get_target_adapter)."""
-    folder = _local_folder(path, "target")
+    folder = local_folder(path, "target")
     if folder is None:
         return
     config_file = folder / "config.json"
@@ -138,15 +121,7 @@ def build_drafter(
         raise ValueError(
             f"Drafter settings {sorted(overrides)} only apply to a new drafter; `init_from` keeps the saved config."
         )
-    try:
-        drafter = HyperDFlashForDrafting.from_pretrained(init_from, dtype=torch.float32)  # checks the path first
-    except ValueError as error:
-        if isinstance(error.__cause__, OSError) and not Path(init_from).expanduser().exists():
-            raise ValueError(  # not "corrupt": a Hub id (or a relative path shaped like one) that could not be fetched
-                f"{init_from} is not a local folder, and loading it as a Hub id failed ({error.__cause__}). Check "
-                "the path, or the Hub id and your connection."
-            ) from error
-        raise
+    drafter = HyperDFlashForDrafting.from_pretrained(init_from, dtype=torch.float32)  # checks the path first
     check_compatible(get_target_adapter(target), drafter)
     if not lora_rank:
         return drafter
