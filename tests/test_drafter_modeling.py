@@ -277,3 +277,26 @@ def test_bfloat16_forward_close_to_float32(target):
     out = draft(drafter.to(torch.bfloat16), target_hidden.bfloat16(), anchors.bfloat16(), [[4, 9]])
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), reference, rtol=0.1, atol=0.1)
+
+
+def test_context_window_bounds_the_cache_and_sees_only_the_last_positions(target):
+    """Windowed: drafting over a long context, fed in any chunks, equals drafting from just its last `window`
+    positions; the cache keeps `window` entries; training sees the same window."""
+    full = drafter_for(target)
+    windowed = drafter_for(target, context_window=5)
+    windowed.load_state_dict(full.state_dict())
+    generator = torch.Generator().manual_seed(1)
+    target_hidden = torch.randn(1, 12, HC_MULT, HIDDEN, generator=generator)
+    anchor = torch.randn(1, 1, HIDDEN, generator=generator)
+    positions = torch.arange(12)[None]
+    only_last = draft(full, target_hidden[:, 7:], anchor, [[12]], positions[:, 7:], cache=DynamicCache())
+    for chunks in ([(0, 7), (7, 12)], [(0, 3), (3, 9), (9, 12)]):
+        cache = windowed.make_context_cache()
+        for start, end in chunks:
+            out = draft(windowed, target_hidden[:, start:end], anchor, [[end]], positions[:, start:end], cache=cache)
+        assert torch.equal(out, only_last), chunks
+        assert cache.get_seq_length() == 12 and all(layer.keys.shape[-2] == 5 for layer in cache.layers)
+    training = draft(windowed, target_hidden, anchor, [[12]], positions)  # no cache: the training path
+    torch.testing.assert_close(training, only_last, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="`context_window` must be a positive integer or None"):
+        HyperDFlashConfig(context_window=0)

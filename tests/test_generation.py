@@ -151,6 +151,20 @@ def test_returned_scores_logits_and_hidden_states_match_plain_decoding(target, d
     assert plain.hidden_states[1][0].shape == (1, 1, target.config.hc_mult, target.config.hidden_size)
 
 
+def test_windowed_drafter_is_lossless_at_long_context_with_a_bounded_cache(target, monkeypatch):
+    torch.manual_seed(1)
+    drafter = HyperDFlashForDrafting.from_target(target, block_size=8, context_window=16).eval()
+    caches = []
+    make = drafter.make_context_cache
+    monkeypatch.setattr(drafter, "make_context_cache", lambda: caches.append(make()) or caches[-1])
+    prompt = _prompt(300, seed=11)
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    speculative = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+    assert torch.equal(speculative, plain)
+    (cache,) = caches
+    assert cache.get_seq_length() > 300 and all(layer.keys.shape[-2] == 16 for layer in cache.layers)
+
+
 def test_eos_inside_a_block_stops_like_plain_generate(target, drafters):
     prompt = _prompt(9, seed=3)
     plain = target.generate(prompt, max_new_tokens=30, do_sample=False)

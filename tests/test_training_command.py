@@ -89,12 +89,17 @@ def test_train_command_runs_resumes_and_lora_tunes(target_dir, tmp_path):
     common += ["--log-every", "1", "--checkpoint-every", "2", "--eval-every", "2", "--total-steps", "2"]
     out = tmp_path / "out"
     config = tmp_path / "drafter.json"
-    config.write_text(json.dumps({"block_size": 4, "num_layers": 1, "drafter_kind": "vanilla_dflash"}))
+    config.write_text(
+        json.dumps({"block_size": 4, "num_layers": 1, "drafter_kind": "vanilla_dflash", "context_window": 8})
+    )
 
     drafter_dir = run_train(parse([*common, "--config", str(config), "--output-dir", str(out)]))
     AcceleratorState._reset_state(reset_partial_state=True)
     drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True)
     assert drafter.config.block_size == 4 and drafter.config.conditioning == "intermediate"
+    assert drafter.config.context_window == 8
+    last_tau = [r["tau"] for r in read_log(out / "run" / "log.jsonl") if "tau" in r][-1]
+    assert json.dumps({"value": last_tau})[1:-1] in (drafter_dir / "README.md").read_text()  # on the model card
     records = read_log(out / "run" / "log.jsonl")
     assert [r["step"] for r in records if "loss" in r] == [1, 2] and any("tau" in r for r in records)
     assert json.loads((out / "train_settings.json").read_text())["num_processes"] == 1

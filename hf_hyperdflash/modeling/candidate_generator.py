@@ -8,7 +8,7 @@ one non-causal forward per block) or `MTPProposer` (native MTP: one step per dra
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
@@ -47,7 +47,7 @@ class BlockProposer:
 
     def __init__(self, drafter: PreTrainedModel, target: DeepseekV4Target):
         self.drafter, self.target = drafter, target
-        self.cache = DynamicCache()
+        self.cache = drafter.make_context_cache()
 
     @property
     def feature_layers(self) -> list[int] | None:

@@ -35,6 +35,9 @@ class HyperDFlashConfig(PreTrainedConfig):
         target_layer_ids (`list[int]`, *optional*): 0-based target decoder layers whose outputs condition the drafter;
             required for, and only allowed with, `conditioning="intermediate"`.
         target_model_type (`str`): `model_type` of the target family.
+        context_window (`int`, *optional*): the drafter attends to (and caches) only the target positions within
+            this many places before each anchor, so its per-step cost and cache stay bounded at long context; the same
+            window applies in training. None keeps the whole context.
         target_name_or_path (`str`, *optional*): the target this drafter was built for (Hub id or path), for the
             model card and for the warning when it runs with another target.
         target_fingerprint (`str`, *optional*): hash of that target's architecture config; generate() warns when
@@ -64,6 +67,7 @@ class HyperDFlashConfig(PreTrainedConfig):
     conditioning: str = "pre_collapse"
     target_layer_ids: list[int] | None = None
     target_model_type: str = "deepseek_v4"
+    context_window: int | None = None
     target_name_or_path: str | None = None
     target_fingerprint: str | None = None
 
@@ -91,6 +95,9 @@ class HyperDFlashConfig(PreTrainedConfig):
         for name in ("rms_norm_eps", "hc_eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be > 0, got {getattr(self, name)!r}.")
+        window = self.context_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(f"`context_window` must be a positive integer or None, got {window!r}.")
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ValueError(f"`block_size` must be an integer >= 2 (anchor plus drafts), got {self.block_size!r}.")
         if self.num_attention_heads % self.num_key_value_heads:

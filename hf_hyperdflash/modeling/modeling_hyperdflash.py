@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -183,6 +183,14 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel
         )
         self.post_init()
 
+    def make_context_cache(self) -> Cache:
+        """An empty cache for the context keys/values of generation; windowed, so it stays bounded, when
+        `config.context_window` is set."""
+        window = self.config.context_window
+        if window is None:
+            return DynamicCache()
+        return Cache(layers=[DynamicSlidingWindowLayer(sliding_window=window + 1) for _ in self.layers])
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -307,11 +315,21 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel
         slots = torch.arange(block_size, device=anchor_position_ids.device)
         block_position_ids = (anchor_position_ids.unsqueeze(-1) + slots).flatten(1)
 
+        window = self.config.context_window
         if cache is None:
             context_visible = context_position_ids.unsqueeze(1) < anchor_position_ids.unsqueeze(2)
+            if window is not None:
+                oldest = (anchor_position_ids - window).unsqueeze(2)
+                context_visible = context_visible & (context_position_ids.unsqueeze(1) >= oldest)
         else:
-            cached_length = cache.get_seq_length() + context.shape[1]
-            context_visible = torch.ones(batch, 1, cached_length, dtype=torch.bool, device=context.device)
+            # Keys a layer gets back: what its cache kept (at most `window` when windowed) plus the new ones
+            past = cache.get_seq_length()
+            key_length = (past if window is None else min(past, window)) + context.shape[1]
+            context_visible = torch.ones(batch, 1, key_length, dtype=torch.bool, device=context.device)
+            if window is not None:
+                context_visible[..., : max(0, key_length - window)] = False
+            if context_mask is not None:
+                context_mask = context_mask[:, -key_length:]
         if context_mask is not None:
             context_visible = context_visible & context_mask.bool().unsqueeze(1)
 

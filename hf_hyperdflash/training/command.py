@@ -17,6 +17,7 @@ from ..cli import run_command
 from ..modeling.strict_loading import check_drafter_path
 from ..prompts import encode_prompt, load_prompts
 from . import options
+from .curves import read_log
 from .data import generate_replies, load_examples
 from .loop import LoopConfig
 from .losses import LossConfig
@@ -38,6 +39,7 @@ def _drafter_overrides(settings: dict) -> dict:
     `build_drafter` can refuse them."""
     names = {"reducer": "reducer", "conditioning": "conditioning", "block_size": "block_size"}
     names |= {"num_hidden_layers": "num_layers", "target_layer_ids": "target_layer_ids", "kind": "drafter_kind"}
+    names["context_window"] = "context_window"
     given = {field: settings[name] for field, name in names.items() if settings[name] is not None}
     if settings["init_from"] is not None:
         return given
@@ -125,6 +127,8 @@ def run_train(args: argparse.Namespace) -> Path:
         accelerator=accelerator,
     )
     if accelerator.is_main_process:
+        measured = [record["tau"] for record in read_log(out / "run" / "log.jsonl") if "tau" in record]
+        drafter.measured_tau = measured[-1] if measured else None  # the last greedy eval, for the model card
         drafter.save_pretrained(out / "drafter")
         provenance = {**settings, "num_processes": accelerator.num_processes}
         (out / "train_settings.json").write_text(json.dumps(provenance, indent=1, default=str))

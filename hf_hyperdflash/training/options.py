@@ -50,6 +50,7 @@ DEFAULTS = {
     "conditioning": None,
     "block_size": None,
     "num_layers": None,
+    "context_window": None,
     "target_layer_ids": None,
     "init_from": None,
     "lora_rank": 0,
@@ -131,6 +132,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _option(drafter, "--conditioning", "Override the kind's conditioning.", choices=["pre_collapse", "intermediate"])
     _option(drafter, "--block-size", "Tokens per draft block, anchor included. Default: 16.", type=int)
     _option(drafter, "--num-layers", "Number of draft layers. Default: 2.", type=int)
+    _option(
+        drafter,
+        "--context-window",
+        "Attend to only the last N target positions before each anchor, in training and in generation, so the "
+        "drafter's cost stays bounded at long context. Default: the whole context.",
+        type=int,
+    )
     _option(
         drafter,
         "--target-layer-ids",
