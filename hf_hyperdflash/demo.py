@@ -7,7 +7,6 @@ plain and speculative runs interleaved so machine noise hits both alike).
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,9 +70,53 @@ class DemoResult:
 
 
 def _timed(fn) -> tuple[float, torch.Tensor]:
-    start = time.perf_counter()
+    from .modeling.step_timer import synchronized_clock  # waits for queued CUDA kernels
+
+    start = synchronized_clock()
     out = fn()
-    return time.perf_counter() - start, out
+    return synchronized_clock() - start, out
+
+
+@dataclass
+class Comparison:
+    """Plain and speculative greedy decoding of one prompt, timed interleaved (medians over repeats)."""
+
+    plain: torch.Tensor
+    speculative: torch.Tensor
+    plain_seconds: float
+    speculative_seconds: float
+    tau: float
+
+    @property
+    def identical(self) -> bool:
+        return bool((self.plain.shape == self.speculative.shape) and (self.plain == self.speculative).all())
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_seconds / self.speculative_seconds
+
+
+def compare_decoding(
+    target: PreTrainedModel, drafter: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, repeats: int
+) -> Comparison:
+    """Warm up, then alternate plain and speculative runs so that machine noise hits both alike."""
+    input_ids = input_ids.to(target.device)
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    plain_times, spec_times = [], []
+    target.generate(input_ids, max_new_tokens=4, do_sample=False)  # warm-up
+    target.generate(input_ids, max_new_tokens=4, do_sample=False, assistant_model=drafter)
+    for _ in range(repeats):
+        seconds, plain = _timed(lambda: target.generate(input_ids, **settings))
+        plain_times.append(seconds)
+        seconds, speculative = _timed(lambda: target.generate(input_ids, assistant_model=drafter, **settings))
+        spec_times.append(seconds)
+    return Comparison(
+        plain=plain.cpu(),
+        speculative=speculative.cpu(),
+        plain_seconds=statistics.median(plain_times),
+        speculative_seconds=statistics.median(spec_times),
+        tau=drafter.last_generation_stats.mean_accepted_length,
+    )
 
 
 def run_demo(
@@ -85,29 +128,19 @@ def run_demo(
     repeats: int = DEFAULT_REPEATS,
     thinking: bool = False,
 ) -> DemoResult:
-    import torch
-
     messages = [{"role": "user", "content": prompt}]
     input_ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, enable_thinking=thinking, return_tensors="pt", return_dict=True
     )["input_ids"]
-    settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
-    plain_times, spec_times = [], []
-    target.generate(input_ids, max_new_tokens=4, do_sample=False)  # warm-up
-    for _ in range(repeats):
-        seconds, plain = _timed(lambda: target.generate(input_ids, **settings))
-        plain_times.append(seconds)
-        seconds, speculative = _timed(lambda: target.generate(input_ids, assistant_model=drafter, **settings))
-        spec_times.append(seconds)
+    result = compare_decoding(target, drafter, input_ids, max_new_tokens, repeats)
     prompt_length = input_ids.shape[1]
-    plain_s, spec_s = statistics.median(plain_times), statistics.median(spec_times)
     return DemoResult(
-        plain_text=tokenizer.decode(plain[0, prompt_length:], skip_special_tokens=True),
-        speculative_text=tokenizer.decode(speculative[0, prompt_length:], skip_special_tokens=True),
-        identical=torch.equal(plain, speculative),
-        tau=drafter.last_generation_stats["mean_accepted_length"],
-        speedup=plain_s / spec_s,
-        plain_seconds=plain_s,
-        speculative_seconds=spec_s,
-        new_tokens=int(plain.shape[1] - prompt_length),
+        plain_text=tokenizer.decode(result.plain[0, prompt_length:], skip_special_tokens=True),
+        speculative_text=tokenizer.decode(result.speculative[0, prompt_length:], skip_special_tokens=True),
+        identical=result.identical,
+        tau=result.tau,
+        speedup=result.speedup,
+        plain_seconds=result.plain_seconds,
+        speculative_seconds=result.speculative_seconds,
+        new_tokens=int(result.plain.shape[1] - prompt_length),
     )

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
@@ -163,6 +164,26 @@ def test_windowed_drafter_is_lossless_at_long_context_with_a_bounded_cache(targe
     assert torch.equal(speculative, plain)
     (cache,) = caches
     assert cache.get_seq_length() > 300 and all(layer.keys.shape[-2] == 16 for layer in cache.layers)
+
+
+def test_target_offloaded_to_disk_by_accelerate(target, tmp_path):
+    """Layers and head offloaded (weights on the meta device until their forward): embedding, head and the drafter's
+    placement follow accelerate's execution device."""
+    target.save_pretrained(tmp_path / "target")
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "target",
+        dtype=torch.float32,
+        device_map="auto",
+        max_memory={"cpu": "1MB"},
+        offload_folder=str(tmp_path / "offload"),
+    ).eval()
+    assert {"cpu", "disk"} <= set(offloaded.hf_device_map.values()) and offloaded.lm_head.weight.is_meta
+    torch.manual_seed(1)
+    drafter = HyperDFlashForDrafting.from_target(target, block_size=6).eval()
+    prompt = _prompt(19, seed=13)
+    plain = target.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert torch.equal(offloaded.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=drafter), plain)
+    assert drafter.last_generation_stats.new_tokens == 16
 
 
 def test_eos_inside_a_block_stops_like_plain_generate(target, drafters):

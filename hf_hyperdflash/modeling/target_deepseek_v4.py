@@ -13,6 +13,16 @@ from .cache_deepseek_v4 import RewindableDeepseekV4Cache
 from .feature_capture import FeatureCapture
 
 
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: its weights' device, or, when accelerate offloads it (weights on the meta device
+    until its forward), the device accelerate's hook runs it on."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return next(module.parameters()).device
+
+
 class DeepseekV4Target:
     """What HyperDFlash needs from a `DeepseekV4ForCausalLM`, without forking its modeling file."""
 
@@ -52,13 +62,12 @@ class DeepseekV4Target:
         return self.model.model.hc_head
 
     def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
-        """The target's embedding of `token_ids`, computed where the embedding lives."""
-        return self.embed_tokens(token_ids.to(self.embed_tokens.weight.device))
+        """The target's embedding of `token_ids`, computed where the embedding runs."""
+        return self.embed_tokens(token_ids.to(execution_device(self.embed_tokens)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's `lm_head` on final-normed hidden states, computed where the head lives."""
-        weight = self.lm_head.weight
-        return self.lm_head(hidden.to(weight.device, weight.dtype))
+        """The target's `lm_head` on final-normed hidden states, computed where the head runs."""
+        return self.lm_head(hidden.to(execution_device(self.lm_head), self.lm_head.weight.dtype))
 
     @property
     def final_norm(self) -> nn.Module:
@@ -67,8 +76,8 @@ class DeepseekV4Target:
 
     @property
     def feature_device(self) -> torch.device:
-        """Where the last decoder layer (and so the captured residual) lives; the drafter runs there."""
-        return self.collapse_head.hc_fn.device
+        """Where the last decoder layer (and so the captured residual) runs; the drafter runs there."""
+        return execution_device(self.collapse_head)
 
     def make_cache(self, max_draft: int) -> RewindableDeepseekV4Cache:
         return RewindableDeepseekV4Cache(config=self.config, max_draft=max_draft)
