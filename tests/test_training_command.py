@@ -115,3 +115,21 @@ def test_train_command_runs_resumes_and_lora_tunes(target_dir, tmp_path):
     tuned_dir = run_train(parse([*common, *tuned, "--output-dir", str(tmp_path / "lora")]))
     AcceleratorState._reset_state(reset_partial_state=True)
     assert AutoModel.from_pretrained(tuned_dir, trust_remote_code=True).config.conditioning == "intermediate"
+
+
+def test_train_command_on_replies_from_a_serving_engine(target_dir, tmp_path):
+    replies = tmp_path / "replies.jsonl"
+    chat = [{"role": "user", "content": "Say something."}]
+    replies.write_text("".join(json.dumps({"messages": chat, "reply": f"Reply {i}."}) + "\n" for i in range(4)))
+    args = ["--target", str(target_dir), "--tokenizer", str(reference.tokenizer_path()), "--replies", str(replies)]
+    args += ["--block-size", "4", "--num-layers", "1", "--batch-size", "2", "--anchors-per-sequence", "2"]
+    args += ["--total-steps", "2", "--warmup-steps", "1", "--log-every", "1", "--output-dir", str(tmp_path / "out")]
+    drafter_dir = run_train(parse(args))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert (drafter_dir / "config.json").exists() and not (tmp_path / "out" / "data").exists()  # nothing generated
+    assert [r["step"] for r in read_log(tmp_path / "out" / "run" / "log.jsonl") if "loss" in r] == [1, 2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": chat, "reply_ids": [10**6]}) + "\n")
+    with pytest.raises(ValueError, match="line 1: reply token ids"):
+        run_train(parse([*args[:4], "--replies", str(bad), "--output-dir", str(tmp_path / "bad")]))
+    AcceleratorState._reset_state(reset_partial_state=True)

@@ -22,6 +22,7 @@ from .data import generate_replies, load_examples
 from .loop import LoopConfig
 from .losses import LossConfig
 from .options import DEFAULTS, DRAFTER_KINDS, add_train_arguments, resolve_settings
+from .replies import load_replies
 from .trainer import (
     build_drafter,
     check_target_path,
@@ -92,22 +93,29 @@ def run_train(args: argparse.Namespace) -> Path:
         settings["lora_dropout"],
         **_drafter_overrides(settings),
     )
-    data_dir = Path(settings["data_dir"] or out / "data")
-    generate_replies(
-        target,
-        tokenizer,
-        load_prompts(settings["data"], settings["data_split"], settings["num_prompts"], settings["max_prompt_chars"]),
-        data_dir,
-        max_new_tokens=settings["max_new_tokens"],
-        temperature=settings["temperature"],
-        enable_thinking=settings["thinking"],
-        batch_size=settings["generation_batch_size"],
-        mixed_lengths=settings["mixed_length_batches"],
-        seed=loop.seed,
-        rank=accelerator.process_index,
-        world_size=accelerator.num_processes,
-    )
-    accelerator.wait_for_everyone()
+    if settings["replies"] is not None:  # generated elsewhere, e.g. by a serving engine
+        examples = load_replies(settings["replies"], tokenizer, settings["thinking"], settings["max_length"])
+    else:
+        data_dir = Path(settings["data_dir"] or out / "data")
+        prompts = load_prompts(
+            settings["data"], settings["data_split"], settings["num_prompts"], settings["max_prompt_chars"]
+        )
+        generate_replies(
+            target,
+            tokenizer,
+            prompts,
+            data_dir,
+            max_new_tokens=settings["max_new_tokens"],
+            temperature=settings["temperature"],
+            enable_thinking=settings["thinking"],
+            batch_size=settings["generation_batch_size"],
+            mixed_lengths=settings["mixed_length_batches"],
+            seed=loop.seed,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+        )
+        accelerator.wait_for_everyone()
+        examples = load_examples(data_dir, settings["max_length"])
     eval_prompts = []
     if settings["eval_prompts"]:
         messages = load_prompts(settings["eval_data"], settings["eval_split"], settings["eval_prompts"])
@@ -116,7 +124,7 @@ def run_train(args: argparse.Namespace) -> Path:
     drafter = train_drafter(
         drafter,
         target,
-        load_examples(data_dir, settings["max_length"]),
+        examples,
         out / "run",
         loop,
         losses,

@@ -62,6 +62,7 @@ DEFAULTS = {
     "num_prompts": None,
     "max_prompt_chars": None,
     "data_dir": None,
+    "replies": None,
     "max_new_tokens": 256,
     "temperature": 0.0,
     "thinking": False,
@@ -172,6 +173,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _option(data, "--num-prompts", "Use only the first N prompts. Default: all.", type=int)
     _option(data, "--max-prompt-chars", "Skip prompts longer than this many characters. Default: keep all.", type=int)
     _option(data, "--data-dir", "Where replies are stored (resumable). Default: OUTPUT_DIR/data.")
+    _option(
+        data,
+        "--replies",
+        "Train on replies generated elsewhere (e.g. by vLLM) instead of generating them: a JSONL file of "
+        "{'messages': [...], 'reply': TEXT} or {'messages': [...], 'reply_ids': [...], 'prompt_ids': [...]} records, "
+        "checked against the target's tokenizer and chat template. --data and the generation options are then unused.",
+    )
     _option(data, "--max-new-tokens", "Longest reply per prompt.", type=int)
     _option(data, "--temperature", "Sampling temperature of the replies; 0 = greedy (no top-k/top-p).", type=float)
     _option(data, "--thinking", "Chat template in thinking mode (enable_thinking).", action=flag)
