@@ -109,6 +109,41 @@ def test_interrupted_then_resumed_run_matches_an_uninterrupted_one(target, examp
         assert all(key.startswith("drafter.") for key in checkpoint.keys()), "the frozen target stays out"
 
 
+def test_training_against_a_target_offloaded_to_disk(target, examples, tmp_path):
+    """A target dispatched by accelerate (part on CPU, part on disk): the same losses as the in-memory target, and
+    an interrupted run resumes exactly."""
+    target.save_pretrained(tmp_path / "target")
+    offloaded = load_target(
+        tmp_path / "target",
+        "cpu",
+        "float32",
+        device_map="auto",
+        max_memory={"cpu": "1MB"},
+        offload_folder=tmp_path / "o",
+    )
+    assert {"cpu", "disk"} <= set(offloaded.hf_device_map.values())
+    train_drafter(new_drafter(target), target, examples, tmp_path / "memory", loop(), anchors_per_sequence=4)
+    train_drafter(new_drafter(target), offloaded, examples, tmp_path / "disk", loop(), anchors_per_sequence=4)
+    in_memory, on_disk = losses_by_step(tmp_path / "memory"), losses_by_step(tmp_path / "disk")
+    assert sorted(on_disk) == list(range(1, 7)) and on_disk[6] < on_disk[1]
+    for step, loss in in_memory.items():
+        assert on_disk[step] == pytest.approx(loss, abs=1e-5), step
+
+    def stop(step: int) -> None:
+        raise KeyboardInterrupt(f"interrupted after step {step}")
+
+    run = tmp_path / "disk_resumed"
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(
+            new_drafter(target), offloaded, examples, run, loop(), anchors_per_sequence=4, on_checkpoint=stop
+        )
+    train_drafter(new_drafter(target), offloaded, examples, run, loop(), anchors_per_sequence=4)
+    resumed = losses_by_step(run)
+    assert all(resumed[step] == pytest.approx(loss, abs=1e-5) for step, loss in on_disk.items())
+    with pytest.raises(ValueError, match="only apply with a `device_map`"):
+        load_target(tmp_path / "target", "cpu", max_memory={"cpu": "1MB"})
+
+
 def test_lora_finetune_saves_a_plain_drafter_that_loads(target, examples, tmp_path):
     base_dir = tmp_path / "base"
     new_drafter(target).save_pretrained(base_dir)

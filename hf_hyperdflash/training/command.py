@@ -82,7 +82,15 @@ def run_train(args: argparse.Namespace) -> Path:
         check_drafter_path(settings["init_from"])
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=loop.mixed_precision)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    target = load_target(target_path, accelerator.device, settings["target_dtype"], settings["target_quantization"])
+    target = load_target(
+        target_path,
+        accelerator.device,
+        settings["target_dtype"],
+        settings["target_quantization"],
+        device_map=settings["target_device_map"],
+        max_memory=settings["target_max_memory"],
+        offload_folder=settings["target_offload_folder"],
+    )
 
     torch.manual_seed(loop.seed)
     drafter = build_drafter(

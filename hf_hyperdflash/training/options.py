@@ -44,6 +44,9 @@ DEFAULTS = {
     "tokenizer": None,
     "target_dtype": "auto",
     "target_quantization": "none",
+    "target_device_map": None,
+    "target_max_memory": None,
+    "target_offload_folder": None,
     # drafter (None: the drafter config's own default, or unset for --init-from)
     "drafter_kind": None,
     "reducer": None,
@@ -105,6 +108,27 @@ def _option(group: argparse._ArgumentGroup, flag: str, text: str, **extra) -> No
     group.add_argument(flag, default=None, help=text + shown, **extra)
 
 
+def device_map_option(text: str) -> str | dict:
+    """'auto' and the other accelerate strategies as they are; a JSON object as a {module: device} map."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not a strategy name nor a JSON object: {error}") from error
+
+
+def max_memory_option(text: str) -> dict:
+    """JSON {device: size}, e.g. {"0": "70GiB", "cpu": "200GiB"}."""
+    try:
+        sizes = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {error}") from error
+    if not isinstance(sizes, dict):
+        raise argparse.ArgumentTypeError('a JSON object {device: size} is expected, e.g. \'{"0": "70GiB"}\'')
+    return sizes
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every `hyperdflash train` option, grouped, plus `--config`."""
     parser.add_argument("--config", type=Path, help="JSON file of option values (underscore keys); flags win.")
@@ -120,6 +144,23 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "Load the frozen target in 8 or 4 bits (bitsandbytes: CUDA and the `quantization` extra).",
         choices=list(QUANTIZATIONS),
     )
+    _option(
+        models,
+        "--target-device-map",
+        "Spread the target over the devices this process sees: 'auto', 'balanced', 'sequential', or a JSON "
+        "{module: device} map. Default: the whole target on the process's device. For 8 GPUs: one process with "
+        "'auto' over all eight (plus --gradient-accumulation-steps), or one process per GPU group, each launched "
+        "with its own CUDA_VISIBLE_DEVICES.",
+        type=device_map_option,
+    )
+    _option(
+        models,
+        "--target-max-memory",
+        'With --target-device-map: memory per device as JSON, e.g. \'{"0": "70GiB", "cpu": "200GiB"}\'; what '
+        "does not fit goes to CPU, then to --target-offload-folder on disk.",
+        type=max_memory_option,
+    )
+    _option(models, "--target-offload-folder", "With --target-device-map: where target weights offloaded to disk go.")
 
     drafter = parser.add_argument_group("drafter")
     _option(

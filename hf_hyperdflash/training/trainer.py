@@ -85,20 +85,39 @@ def check_target_path(path: str | os.PathLike) -> None:
 
 
 def load_target(
-    path: str | Path, device: torch.device | str, dtype: str = "auto", quantization: str = "none"
+    path: str | Path,
+    device: torch.device | str,
+    dtype: str = "auto",
+    quantization: str = "none",
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
+    offload_folder: str | Path | None = None,
 ) -> PreTrainedModel:
-    """The frozen target in eval mode on `device`, optionally quantized to 8 or 4 bits (bitsandbytes)."""
+    """The frozen target in eval mode, optionally quantized to 8 or 4 bits (bitsandbytes).
+
+    Without `device_map` it goes whole onto `device`. With one ("auto", "balanced", or a module -> device dict),
+    accelerate spreads it over the devices this process sees, within `max_memory`, offloading what does not fit
+    to CPU or to `offload_folder` on disk; the drafter trains next to the captured residual either way.
+    """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"`quantization` must be one of {QUANTIZATIONS}, got {quantization!r}.")
-    kwargs = {}
+    if device_map is None and (max_memory is not None or offload_folder is not None):
+        raise ValueError("`max_memory` and `offload_folder` only apply with a `device_map` (e.g. 'auto').")
+    kwargs: dict = {}
+    if device_map is not None:
+        if max_memory is not None:  # GPU indices written as strings in JSON ("0") are integers to accelerate
+            max_memory = {
+                int(device) if str(device).isdigit() else device: size for device, size in max_memory.items()
+            }
+        kwargs = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
     if quantization != "none":
         import_bitsandbytes(f"A {quantization} target (target_quantization='{quantization}')")
         bits = {"load_in_8bit": True} if quantization == "8bit" else {"load_in_4bit": True}
-        kwargs = {"quantization_config": BitsAndBytesConfig(**bits), "device_map": {"": device}}
+        kwargs = {"device_map": {"": device}} | kwargs | {"quantization_config": BitsAndBytesConfig(**bits)}
     check_target_path(path)
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     get_target_adapter(target)  # a clear error for unsupported families
-    if quantization == "none":
+    if "device_map" not in kwargs:
         target.to(device)
     return target.eval().requires_grad_(False)
 
