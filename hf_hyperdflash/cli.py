@@ -63,6 +63,25 @@ def _eval(args: argparse.Namespace) -> int:
     return run_eval(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .plan import expected_speedup, layer_timings, load_target_config, sizes
+
+    target_config = load_target_config(args.target_config)
+    overrides = {"block_size": args.block_size, "num_hidden_layers": args.num_layers}
+    if args.context_window:
+        overrides["context_window"] = args.context_window
+    report = {"target": args.target_config or "DeepseekV4Config() defaults (DeepSeek-V4-Flash)"}
+    report |= sizes(target_config, overrides, args.dtype, args.batch_size, args.seq_len)
+    if args.timing:
+        timings = layer_timings(target_config, overrides)
+        report["cpu_seconds"] = timings
+        report["expected"] = expected_speedup(timings, target_config.num_hidden_layers, args.num_layers, args.tau)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def _build_reference(args: argparse.Namespace) -> int:
     from .reference import build
 
@@ -110,6 +129,26 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     eval_options.add_eval_arguments(evaluate).set_defaults(run=_eval)
+
+    plan = commands.add_parser(
+        "plan",
+        help="drafter size, memory and expected speedup for a target, from its config alone",
+        description="Drafter parameters and bytes, drafter KV bytes per context token (with and without a window), "
+        "captured-feature bytes per token, training memory per process, and the speedup a tau gives, from CPU "
+        "timings of one target-width decoder layer against one draft layer (see hf_hyperdflash/plan.py).",
+    )
+    plan.add_argument("--target-config", help="the target's config.json or its folder (default: V4-Flash)")
+    plan.add_argument("--block-size", type=int, default=16, help="draft block size (default: %(default)s)")
+    plan.add_argument("--num-layers", type=int, default=2, help="draft layers (default: %(default)s)")
+    plan.add_argument("--context-window", type=int, default=0, help="drafter context window (0: whole context)")
+    plan.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="weights' dtype")
+    plan.add_argument("--batch-size", type=int, default=8, help="training sequences per process (default: 8)")
+    plan.add_argument("--seq-len", type=int, default=4096, help="training sequence length (default: 4096)")
+    plan.add_argument("--tau", type=float, default=3.69, help="tau to plan with (default: the paper's, 3.69)")
+    plan.add_argument(
+        "--timing", action=argparse.BooleanOptionalAction, default=True, help="time the layers on this CPU"
+    )
+    plan.set_defaults(run=_plan)
 
     rebuild = commands.add_parser(
         "build-reference", help="retrain the shipped tokenizer, target and native MTP", add_help=False

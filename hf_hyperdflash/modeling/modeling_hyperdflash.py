@@ -6,7 +6,7 @@ caller embeds the anchor tokens with the target's embedding and maps the output 
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
@@ -156,6 +156,44 @@ class HyperDFlashDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+def drafter_config_for(target_config: PretrainedConfig, **overrides) -> HyperDFlashConfig:
+    """The config of a drafter for a target with `target_config` (no weights needed: `hyperdflash plan` sizes
+    drafters from a config alone). Target dimensions from the target, draft-layer sizes from its hidden size."""
+    if target_config.model_type not in TARGET_MODEL_TYPES:
+        raise ValueError(
+            f"HyperDFlash supports targets with model_type in {TARGET_MODEL_TYPES}, got {target_config.model_type!r}."
+        )
+    hidden = target_config.hidden_size
+    head_dim = min(128, hidden // 4)
+    num_heads = hidden // head_dim
+    settings = {
+        "vocab_size": target_config.vocab_size,
+        "hidden_size": hidden,
+        "hc_mult": target_config.hc_mult,
+        "rms_norm_eps": target_config.rms_norm_eps,
+        "hc_eps": target_config.hc_eps,
+        "max_position_embeddings": target_config.max_position_embeddings,
+        "target_model_type": target_config.model_type,
+        "target_name_or_path": target_config.name_or_path or None,
+        "target_fingerprint": target_fingerprint(target_config),
+        "head_dim": head_dim,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": max(1, num_heads // 4),
+        "intermediate_size": 3 * hidden,
+        **overrides,
+    }
+    if settings.get("conditioning") == "intermediate" and settings.get("target_layer_ids") is None:
+        num_layers = settings.get("num_hidden_layers", HyperDFlashConfig.num_hidden_layers)
+        settings["target_layer_ids"] = spread_target_layers(target_config.num_hidden_layers, num_layers)
+    config = HyperDFlashConfig(**settings)
+    if config.conditioning == "intermediate" and max(config.target_layer_ids) >= target_config.num_hidden_layers:
+        raise ValueError(
+            f"`target_layer_ids` {config.target_layer_ids} must index the target's "
+            f"{target_config.num_hidden_layers} decoder layers."
+        )
+    return config
+
+
 class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel):
     """Drafts a block of `block_size - 1` tokens after each anchor in one non-causal forward.
 
@@ -209,40 +247,7 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel
         `reducer="inherited_gate"` every gate starts as a copy of `target.model.hc_head`. No reference to the target
         is kept. For `conditioning="intermediate"` without `target_layer_ids`, a DFlash-style spread is stored.
         """
-        target_config = target.config
-        if target_config.model_type not in TARGET_MODEL_TYPES:
-            raise ValueError(
-                f"HyperDFlash supports targets with model_type in {TARGET_MODEL_TYPES}, "
-                f"got {target_config.model_type!r}."
-            )
-        hidden = target_config.hidden_size
-        head_dim = min(128, hidden // 4)
-        num_heads = hidden // head_dim
-        settings = {
-            "vocab_size": target_config.vocab_size,
-            "hidden_size": hidden,
-            "hc_mult": target_config.hc_mult,
-            "rms_norm_eps": target_config.rms_norm_eps,
-            "hc_eps": target_config.hc_eps,
-            "max_position_embeddings": target_config.max_position_embeddings,
-            "target_model_type": target_config.model_type,
-            "target_name_or_path": target_config.name_or_path or None,
-            "target_fingerprint": target_fingerprint(target_config),
-            "head_dim": head_dim,
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": max(1, num_heads // 4),
-            "intermediate_size": 3 * hidden,
-            **overrides,
-        }
-        if settings.get("conditioning") == "intermediate" and settings.get("target_layer_ids") is None:
-            num_layers = settings.get("num_hidden_layers", HyperDFlashConfig.num_hidden_layers)
-            settings["target_layer_ids"] = spread_target_layers(target_config.num_hidden_layers, num_layers)
-        config = HyperDFlashConfig(**settings)
-        if config.conditioning == "intermediate" and max(config.target_layer_ids) >= target_config.num_hidden_layers:
-            raise ValueError(
-                f"`target_layer_ids` {config.target_layer_ids} must index the target's "
-                f"{target_config.num_hidden_layers} decoder layers."
-            )
+        config = drafter_config_for(target.config, **overrides)
         drafter = cls(config)
         if config.reducer == "inherited_gate":
             for head in drafter.reducer.hc_heads:
