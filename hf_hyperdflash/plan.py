@@ -80,7 +80,7 @@ def sizes(target_config: PretrainedConfig, drafter_overrides: dict, dtype: str, 
     }
 
 
-def _median_seconds(fn, repeats: int = 5) -> float:
+def _median_seconds(fn, repeats: int = 9) -> float:
     fn()  # warm-up
     seconds = []
     for _ in range(repeats):
