@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = tiny_deepseek_v4(seed=0, max_position_embeddings=4 * max(args.contexts))
     torch.manual_seed(0)
     drafters = {
-        "full context": HyperDFlashForDrafting.from_target(target, **WIDE_ATTENTION).eval(),
+        "full context": HyperDFlashForDrafting.from_target(target, context_window=None, **WIDE_ATTENTION).eval(),
         f"window {args.window}": HyperDFlashForDrafting.from_target(
             target, context_window=args.window, **WIDE_ATTENTION
         ).eval(),

@@ -70,8 +70,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     target_config = load_target_config(args.target_config)
     overrides = {"block_size": args.block_size, "num_hidden_layers": args.num_layers}
-    if args.context_window:
-        overrides["context_window"] = args.context_window
+    if args.context_window is not None:
+        overrides["context_window"] = args.context_window or None
     report = {"target": args.target_config or "DeepseekV4Config() defaults (DeepSeek-V4-Flash)"}
     report |= sizes(target_config, overrides, args.dtype, args.batch_size, args.seq_len)
     if args.timing:
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--target-config", help="the target's config.json or its folder (default: V4-Flash)")
     plan.add_argument("--block-size", type=int, default=16, help="draft block size (default: %(default)s)")
     plan.add_argument("--num-layers", type=int, default=2, help="draft layers (default: %(default)s)")
-    plan.add_argument("--context-window", type=int, default=0, help="drafter context window (0: whole context)")
+    plan.add_argument("--context-window", type=int, help="drafter context window (default: 512; 0: whole context)")
     plan.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="weights' dtype")
     plan.add_argument("--batch-size", type=int, default=8, help="training sequences per process (default: 8)")
     plan.add_argument("--seq-len", type=int, default=4096, help="training sequence length (default: 4096)")

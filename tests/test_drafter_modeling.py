@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from hf_hyperdflash.modeling.configuration_hyperdflash import HyperDFlashConfig
+from hf_hyperdflash.modeling.configuration_hyperdflash import DEFAULT_CONTEXT_WINDOW, HyperDFlashConfig
 from hf_hyperdflash.modeling.modeling_hyperdflash import HyperDFlashForDrafting, spread_target_layers
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
@@ -300,3 +300,13 @@ def test_context_window_bounds_the_cache_and_sees_only_the_last_positions(target
     torch.testing.assert_close(training, only_last, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="`context_window` must be a positive integer or None"):
         HyperDFlashConfig(context_window=0)
+
+
+def test_new_drafters_get_the_measured_window_and_old_checkpoints_keep_the_whole_context(target, tmp_path):
+    assert HyperDFlashForDrafting.from_target(target).config.context_window == DEFAULT_CONTEXT_WINDOW == 512
+    assert HyperDFlashForDrafting.from_target(target, context_window=None).config.context_window is None
+    drafter_for(target).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["context_window"]  # as saved before the field existed
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert HyperDFlashForDrafting.from_pretrained(tmp_path).config.context_window is None

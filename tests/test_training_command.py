@@ -10,7 +10,13 @@ from transformers import AutoModel, AutoTokenizer
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.testing import tiny_deepseek_v4
-from hf_hyperdflash.training.command import DEFAULTS, add_train_arguments, resolve_settings, run_train
+from hf_hyperdflash.training.command import (
+    DEFAULTS,
+    _drafter_overrides,
+    add_train_arguments,
+    resolve_settings,
+    run_train,
+)
 from hf_hyperdflash.training.curves import read_log
 
 
@@ -98,6 +104,8 @@ def test_train_command_runs_resumes_and_lora_tunes(target_dir, tmp_path):
     drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True)
     assert drafter.config.block_size == 4 and drafter.config.conditioning == "intermediate"
     assert drafter.config.context_window == 8
+    settings = resolve_settings(parse(["--output-dir", "x", "--context-window", "0"]))
+    assert _drafter_overrides(settings)["context_window"] is None  # 0: the whole context
     last_tau = [r["tau"] for r in read_log(out / "run" / "log.jsonl") if "tau" in r][-1]
     assert json.dumps({"value": last_tau})[1:-1] in (drafter_dir / "README.md").read_text()  # on the model card
     records = read_log(out / "run" / "log.jsonl")

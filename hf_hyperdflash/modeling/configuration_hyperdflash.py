@@ -5,6 +5,11 @@ from transformers import PreTrainedConfig
 REDUCERS = ("inherited_gate", "dense")
 CONDITIONINGS = ("pre_collapse", "intermediate")
 TARGET_MODEL_TYPES = ("deepseek_v4",)
+# What `from_target` (and so `hyperdflash train`) gives a new drafter: measured on the reference pair, every window
+# from 64 to 1,024 beats the whole context on long conversations and 512 also edges it on the main prompts
+# (docs/results.md, benchmarks/context_window_tau.py). A config without the field (saved before it existed) keeps
+# the whole context, as it was trained and measured.
+DEFAULT_CONTEXT_WINDOW = 512
 
 
 class HyperDFlashConfig(PreTrainedConfig):
@@ -37,7 +42,7 @@ class HyperDFlashConfig(PreTrainedConfig):
         target_model_type (`str`): `model_type` of the target family.
         context_window (`int`, *optional*): the drafter attends to (and caches) only the target positions within
             this many places before each anchor, so its per-step cost and cache stay bounded at long context; the same
-            window applies in training. None keeps the whole context.
+            window applies in training. None keeps the whole context; `from_target` sets `DEFAULT_CONTEXT_WINDOW`.
         target_name_or_path (`str`, *optional*): the target this drafter was built for (Hub id or path), for the
             model card and for the warning when it runs with another target.
         target_fingerprint (`str`, *optional*): hash of that target's architecture config; generate() warns when

@@ -42,6 +42,7 @@ def drafter_description(config) -> dict[str, object]:
         "reducer": config.reducer,
         "conditioning": config.conditioning,
         "context": context,
+        "context window": config.context_window or "whole context",
         "draft layers": config.num_hidden_layers,
     }
 

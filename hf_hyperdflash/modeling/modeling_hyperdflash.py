@@ -18,7 +18,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from .configuration_hyperdflash import TARGET_MODEL_TYPES, HyperDFlashConfig
+from .configuration_hyperdflash import DEFAULT_CONTEXT_WINDOW, TARGET_MODEL_TYPES, HyperDFlashConfig
 from .integration import install_generate_integration
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
@@ -180,6 +180,7 @@ def drafter_config_for(target_config: PretrainedConfig, **overrides) -> HyperDFl
         "num_attention_heads": num_heads,
         "num_key_value_heads": max(1, num_heads // 4),
         "intermediate_size": 3 * hidden,
+        "context_window": DEFAULT_CONTEXT_WINDOW,
         **overrides,
     }
     if settings.get("conditioning") == "intermediate" and settings.get("target_layer_ids") is None:

@@ -42,6 +42,8 @@ def _drafter_overrides(settings: dict) -> dict:
     names |= {"num_hidden_layers": "num_layers", "target_layer_ids": "target_layer_ids", "kind": "drafter_kind"}
     names["context_window"] = "context_window"
     given = {field: settings[name] for field, name in names.items() if settings[name] is not None}
+    if given.get("context_window") == 0:
+        given["context_window"] = None  # 0 asks for the whole context
     if settings["init_from"] is not None:
         return given
     reducer, conditioning = DRAFTER_KINDS[given.pop("kind", "hyperdflash")]
