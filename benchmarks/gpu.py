@@ -66,13 +66,16 @@ def split_target(device: str, dtype: torch.dtype, offload_folder: str):
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument(
+        "--prompts", default="sharegpt", help="'sharegpt' (its held-out split) or a JSONL file of chats ('messages')"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("No CUDA device here; run with --device cpu for the small CPU version.")
     size = SIZES[args.device]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
-    messages = load_prompts("sharegpt", "held_out", size["prompts"], max_chars=2000)
+    messages = load_prompts(args.prompts, "held_out", size["prompts"], max_chars=2000)
     prompts = [encode_prompt(tokenizer, m, enable_thinking=False) for m in messages]
     timing = {"max_new_tokens": size["max_new_tokens"], "repeats": size["repeats"]}
     report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": str(dtype)}

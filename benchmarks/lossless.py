@@ -1,6 +1,7 @@
 """Is speculative `generate()` lossless? Many prompts, greedy and sampled, two drafters, against plain `generate()`.
 
     python benchmarks/lossless.py [--target {auto,tiny}] [--prompts 50] [--max-new-tokens 48] [--seed 0]
+                                  [--schedules adaptive constant]
 
 Target: the shipped reference target with held-out ShareGPT prompts in the chat format when it exists
 (`--target auto`), else (or with `--target tiny`) the tiny random test target with random-token prompts. Prompt
@@ -9,7 +10,9 @@ lengths vary, and several exceed 4x the target's sliding window, so verify steps
 Drafters: an untrained HyperDFlash drafter (`from_target`, block 8: nearly every draft is rejected), and the same
 drafter with its proposals replaced by the test oracle (`hf_hyperdflash.testing.OracleProposer`: the plain
 continuation, each token corrupted with probability `--corruption`), so full, partial and zero acceptance all occur.
-The script prints how often each outcome occurred, counted per verify step.
+Each runs under every draft schedule in `--schedules`: "adaptive" (the default: draft length chosen per step, and
+steps that skip drafting) and "constant" (every step drafts 7 tokens, so every verify path is exercised). The
+script prints how often each outcome occurred, counted per verify step, and the share of steps that skipped drafting.
 
 What "lossless" means in each printed line:
 - greedy: the speculative output is token-identical to plain `target.generate()`, for every prompt;
@@ -33,7 +36,7 @@ import argparse
 import statistics
 import sys
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -70,11 +73,20 @@ def benchmark_prompts(target: PreTrainedModel, count: int, seed: int, is_referen
     return [torch.randint(3, target.config.vocab_size, (1, int(n)), generator=generator) for n in lengths]
 
 
-def drafting(name: str, reference_ids: torch.LongTensor, vocab_size: int, corruption: float, seed: int):
-    """The context a drafter runs in: the oracle replaces the drafter's proposals with a corrupted `reference_ids`."""
-    if name == ORACLE:
-        return oracle_drafting(OracleProposer(vocab_size, reference_ids, corruption, seed=seed))
-    return nullcontext()
+def method_names(schedules: list[str]) -> list[str]:
+    return [f"{drafter} ({schedule})" for schedule in schedules for drafter in (UNTRAINED, ORACLE)]
+
+
+@contextmanager
+def drafting(name: str, drafter, reference_ids: torch.LongTensor, corruption: float, seed: int):
+    """The context a method runs in: its schedule, and for the oracle its proposals (a corrupted `reference_ids`)."""
+    kind, schedule = name.removesuffix(")").split(" (")
+    drafter.generation_config.num_assistant_tokens_schedule = schedule
+    if kind == ORACLE:
+        with oracle_drafting(OracleProposer(drafter.config.vocab_size, reference_ids, corruption, seed=seed)):
+            yield
+    else:
+        yield
 
 
 def outcome_counts(result: MethodResult) -> Counter:
@@ -89,19 +101,20 @@ def print_results(results: dict[str, MethodResult]) -> None:
     for name, result in results.items():
         outcomes = outcome_counts(result)
         print(
-            f"  {name:<22} lossless {result.lossless}/{result.prompts}  tau {result.tau:.2f}  "
-            f"verify steps: full {outcomes['full']}, partial {outcomes['partial']}, zero {outcomes['zero']}"
+            f"  {name:<33} lossless {result.lossless}/{result.prompts}  tau {result.tau:.2f}  "
+            f"verify steps: full {outcomes['full']}, partial {outcomes['partial']}, zero {outcomes['zero']}; "
+            f"skipped drafting: {result.skipped_share:.0%} of steps"
         )
 
 
 @torch.no_grad()
 def token_identical_runs(target, drafter, prompts, settings: dict, args, desc: str) -> dict[str, MethodResult]:
     """Plain and speculative generate on every prompt; a prompt is lossless when the outputs are token-identical."""
-    results = {name: MethodResult(name=name) for name in (UNTRAINED, ORACLE)}
+    results = {name: MethodResult(name=name) for name in method_names(args.schedules)}
     for index, prompt in enumerate(tqdm(prompts, desc=desc)):
         plain = target.generate(prompt, **settings)
         for name, result in results.items():
-            with drafting(name, plain, target.config.vocab_size, args.corruption, args.seed + index):
+            with drafting(name, drafter, plain, args.corruption, args.seed + index):
                 speculative = target.generate(prompt, assistant_model=drafter, **settings)
             result.record(drafter.last_generation_stats)
             result.prompts += 1
@@ -144,7 +157,7 @@ def distribution_test(target, drafter, name: str, prompt, settings: dict, args, 
     greedy = target.generate(prompt, max_new_tokens=args.sample_tokens, do_sample=False)
     counts = Counter()
     torch.manual_seed(args.seed)
-    with drafting(name, greedy, target.config.vocab_size, args.corruption, args.seed):
+    with drafting(name, drafter, greedy, args.corruption, args.seed):
         for _ in range(args.samples):
             out = target.generate(prompt, max_new_tokens=args.sample_tokens, assistant_model=drafter, **settings)
             counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
@@ -155,7 +168,7 @@ def distribution_test(target, drafter, name: str, prompt, settings: dict, args, 
     observed = torch.tensor([counts[c] for c in cells], dtype=torch.float64)
     p_value = chi_square_p_value(observed, torch.tensor([exact[c] for c in cells], dtype=torch.float64))
     bar.write(
-        f"  {name:<22} {prompt.shape[1]:>4}-token prompt: {len(cells)} continuations, p = {p_value:.3f}, "
+        f"  {name:<33} {prompt.shape[1]:>4}-token prompt: {len(cells)} continuations, p = {p_value:.3f}, "
         f"samples outside the support: {outside}"
     )
     return p_value >= args.alpha and outside == 0
@@ -173,6 +186,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sample-top-k", type=int, default=2, help="top_k of the distribution test (its support)")
     parser.add_argument("--alpha", type=float, default=1e-3, help="a prompt fails the distribution test if p < alpha")
     parser.add_argument("--seed", type=int, default=0, help="prompts, oracle corruption and sampling")
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=["adaptive", "constant"],
+        default=["adaptive", "constant"],
+        help="draft schedules, each drafter under each",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the tiny target is fastest on 1)")
     args = parser.parse_args()
     if args.sample_tokens < 3:
@@ -215,7 +235,7 @@ def main() -> int:
         f"speculative samples per prompt vs the exact target distribution (Pearson chi-square, lossless if p >= "
         f"{args.alpha:g})"
     )
-    results = {name: MethodResult(name=name) for name in (UNTRAINED, ORACLE)}
+    results = {name: MethodResult(name=name) for name in method_names(args.schedules)}
     for name, result in results.items():
         with tqdm(total=len(chosen) * args.samples, desc=f"{name} samples") as bar:
             for prompt in chosen:

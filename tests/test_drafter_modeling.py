@@ -254,7 +254,7 @@ def test_generation_config_and_init(target):
     config = HyperDFlashConfig(hidden_size=HIDDEN, head_dim=16, intermediate_size=128, block_size=6)
     drafter = HyperDFlashForDrafting(config)
     assert drafter.generation_config.num_assistant_tokens == 5
-    assert drafter.generation_config.num_assistant_tokens_schedule == "constant"
+    assert drafter.generation_config.num_assistant_tokens_schedule == "adaptive"
     assert 0.01 < drafter.mask_embedding.std().item() < 0.03
     gate = drafter.reducer.hc_heads[0]
     assert torch.equal(gate.hc_base, torch.zeros(HC_MULT)) and torch.equal(gate.hc_scale, torch.ones(1))

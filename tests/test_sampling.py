@@ -14,6 +14,7 @@ tests in `test_generation.py`.
 """
 
 import itertools
+from collections import Counter
 from contextlib import nullcontext
 
 import pytest
@@ -23,6 +24,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+from hf_hyperdflash.modeling.draft_policy import AcceptanceCalibration, AdaptiveDraftPolicy, StepCosts
 from hf_hyperdflash.testing import OracleProposer, chi_square_p_value, oracle_drafting, tiny_deepseek_v4
 
 VOCAB = 8
@@ -119,6 +121,21 @@ def test_speculative_samples_follow_the_target_distribution(target, kind, settin
     assert outcomes == {"full", "partial", "zero"}
     if kind == "oracle":  # about twice the untrained drafters' rate: the proposals really came from the oracle
         assert sum(accepted) / sum(proposed) > 0.25
+    p_value = chi_square_p_value(counts, probs)
+    assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"
+
+
+def test_adaptive_truncation_keeps_the_target_distribution(target, monkeypatch):
+    """The adaptive schedule verifies 0, 1 or 2 of the untrained drafter's drafts by its confidence at each position
+    (costs as on a CPU, where each verified token adds to the step; a steep confidence-to-acceptance map so that the
+    choice varies): sampling stays exact when the draft length depends on the drafter's distributions."""
+    monkeypatch.setattr(StepCosts, "step_seconds", lambda self, length: 1.0 + 0.3 * length)
+    monkeypatch.setattr(AcceptanceCalibration, "probability", lambda self, c: min(max((c - 0.5) * 8, 0.0), 1.0))
+    choices, choose = [], AdaptiveDraftPolicy.choose
+    monkeypatch.setattr(AdaptiveDraftPolicy, "choose", lambda self, c: choices.append(choose(self, c)) or choices[-1])
+    probs = exact_distribution(target, PROCESSED)
+    counts, _, _ = speculative_samples(target, "hyperdflash", PROCESSED)
+    assert {0, 1, 2} <= set(choices) and min(Counter(choices).values()) > 100  # none, a truncated block, a whole one
     p_value = chi_square_p_value(counts, probs)
     assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"
 

@@ -53,6 +53,8 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
     "block_4": {"block_size"},
     "block_16": {"block_size"},
     "sampled_replies": {"temperature", "data_dir"},
+    # the reference drafter's 2,000 steps, so that it compares with the shipped drafter
+    "distill_all_positions": {"kl_weight", "kl_positions", "teacher", "total_steps"},
 }
 
 

@@ -95,7 +95,9 @@ def run_eval(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     target = load_target(target_path, device, args.dtype)
     mtp_steps = args.mtp_steps if mtp_dir else []
-    methods = build_methods(target, mtp_dir, mtp_steps, drafter_dirs, dict(args.draft_tokens), dtype)
+    methods = build_methods(
+        target, mtp_dir, mtp_steps, drafter_dirs, dict(args.draft_tokens), dtype, args.schedules, args.untrained
+    )
     ratio_pairs = _ratio_pairs(args.tau_ratio, [method.name for method in methods])
     results = evaluate(
         target,
@@ -121,6 +123,7 @@ def run_eval(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "seed": args.seed,
         "dtype": args.dtype,
+        "schedules": args.schedules,
         "device": device,
         "notes": notes,
         "tau_ratios": ratio_pairs,

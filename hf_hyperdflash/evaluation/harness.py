@@ -8,7 +8,8 @@ one is reported in `notes`, never dropped silently.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import reference
+from ..modeling.draft_policy import ADAPTIVE_SCHEDULE
 from ..modeling.integration import check_compatible
+from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
 from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
 from ..modeling.targets import get_target_adapter
 from ..prompts import Messages
@@ -98,22 +101,34 @@ def build_methods(
     drafter_dirs: dict[str, Path],
     draft_tokens: dict[str, int] | None = None,
     dtype: torch.dtype = torch.float32,
+    schedules: Sequence[str] = ("adaptive",),
+    untrained: bool = False,
 ) -> list[Method]:
-    """Plain decoding, native MTP at each depth in `mtp_steps`, then the named drafters (in the given order).
+    """Plain decoding, native MTP at each depth in `mtp_steps`, the named drafters (in the given order), then an
+    untrained `from_target` HyperDFlash drafter if asked; every speculative method once per draft schedule.
 
     `draft_tokens` overrides the number of drafted tokens per step of named drafters (default: their own
-    generation config, for block drafters `block_size - 1`).
+    generation config, for block drafters `block_size - 1`). A "constant" method is named NAME-constant.
     """
     draft_tokens = draft_tokens or {}
     unknown = sorted(set(draft_tokens) - set(drafter_dirs))
     if unknown:
         raise ValueError(f"Draft lengths given for unknown drafters {unknown}; drafters: {sorted(drafter_dirs)}.")
-    methods = [Method("plain")]
+    speculative = []
     if mtp_dir is not None and mtp_steps:
         mtp = load_drafter("mtp", mtp_dir, target, dtype)
-        methods += [Method(f"mtp-k{k}", mtp, num_draft_tokens=k) for k in mtp_steps]
+        speculative += [Method(f"mtp-k{k}", mtp, num_draft_tokens=k) for k in mtp_steps]
     for name, path in drafter_dirs.items():
-        methods.append(Method(name, load_drafter(name, path, target, dtype), draft_tokens.get(name)))
+        speculative.append(Method(name, load_drafter(name, path, target, dtype), draft_tokens.get(name)))
+    if untrained:
+        with torch.random.fork_rng(devices=[]):  # the same untrained weights in every run
+            torch.manual_seed(0)
+            drafter = HyperDFlashForDrafting.from_target(target).to(dtype).eval()
+        speculative.append(Method("untrained", drafter))
+    methods = [Method("plain")]
+    for schedule in schedules:
+        suffix = "" if schedule == ADAPTIVE_SCHEDULE else f"-{schedule}"
+        methods += [dataclasses.replace(m, name=m.name + suffix, schedule=schedule) for m in speculative]
     names = [method.name for method in methods]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:

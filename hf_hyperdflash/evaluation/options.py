@@ -31,6 +31,7 @@ from .datasets import PROMPT_SETS
 POOL_SEPARATOR = "+"  # "a+b": one side of a tau ratio made of several methods (paired.pool_members)
 MODES = {"non-thinking": False, "thinking": True}
 DTYPES = ("float32", "bfloat16")  # --dtype, torch dtype names
+SCHEDULES = ("adaptive", "constant")  # --schedules: modeling.draft_policy.SCHEDULES, named here without torch
 
 
 def _two_parts(text: str, separator: str, form: str) -> tuple[str, str]:
@@ -122,6 +123,21 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default=[],
         metavar="NAME=K",
         help="Draft K tokens per step with drafter NAME (default: its generation config, block_size - 1).",
+    )
+    models.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=list(SCHEDULES),
+        default=[SCHEDULES[0]],
+        help="Draft schedules, each speculative method once per schedule: adaptive (the drafters' default: draft "
+        "length chosen each step, drafting skipped where it does not pay) and constant (every step drafts k; such "
+        "methods are named NAME-constant) (default: adaptive).",
+    )
+    models.add_argument(
+        "--untrained",
+        action="store_true",
+        help="Also evaluate an untrained HyperDFlash drafter built with `from_target` (named 'untrained'): what a "
+        "user gets before training, or with a drafter far off its domain.",
     )
     models.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="dtype of every model (default: %(default)s)."

@@ -1,7 +1,8 @@
 """The evaluation report: a paper-style Markdown table per setting, a JSON file with everything, an acceptance plot.
 
 Markdown columns: tau (mean accepted length per verify step, bonus token included), acceptance at each draft
-position k (the share of steps that drafted position k whose drafts were all accepted up to k), target forwards
+position k (the share of steps that drafted position k whose drafts were all accepted up to k), drafts sent to
+verification per decoding step and the share of steps that skipped drafting (the adaptive schedule), target forwards
 per generated token, median tokens/s, speedup (median over prompts of tokens/s over plain decoding's), and
 lossless (greedy outputs token-identical to plain decoding, N/N prompts). A second table gives the tau ratios of
 the pairs in `run["tau_ratios"]` with paired bootstrap intervals over prompts; a third splits the mean verify step
@@ -67,12 +68,13 @@ def _lossless(result: MethodResult) -> str:
 def _method_table(results: list[MethodResult]) -> list[str]:
     positions = max((len(result.acceptance_per_position) for result in results), default=0)
     header = ["method", "k", "tau", *(f"acc@{k}" for k in range(1, positions + 1))]
-    header += ["fwd/token", "tok/s", "speedup", "lossless"]
+    header += ["drafted/step", "skipped", "fwd/token", "tok/s", "speedup", "lossless"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
         acceptance = result.acceptance_per_position
         cells = [result.name, str(result.num_draft_tokens or "–"), _number(result.tau)]
         cells += [_number(acceptance[k]) if k < len(acceptance) else "–" for k in range(positions)]
+        cells += [_number(result.drafted_per_step), _number(result.skipped_share, "{:.0%}")]
         cells += [_number(result.forwards_per_token), _number(result.median_tokens_per_second, "{:.1f}")]
         cells += [_number(result.speedup, "{:.2f}x"), _lossless(result)]
         lines.append("| " + " | ".join(cells) + " |")

@@ -30,7 +30,8 @@ LATENCY_PARTS = ("draft", "verify", "rollback")
 class Method:
     """A way to decode: plain (`drafter` None) or speculative with a drafter.
 
-    `num_draft_tokens` overrides the drafter's `generation_config.num_assistant_tokens` (native MTP's depth k).
+    `num_draft_tokens` overrides the drafter's `generation_config.num_assistant_tokens` (native MTP's depth k), and
+    `schedule` its `num_assistant_tokens_schedule` ("adaptive" or "constant").
     `context`, given the prompt ids, returns a context entered around each of this method's `generate` calls
     (outside the timed region): a hook for test oracles and fault injection.
     """
@@ -38,6 +39,7 @@ class Method:
     name: str
     drafter: PreTrainedModel | None = None
     num_draft_tokens: int | None = None
+    schedule: str | None = None
     context: Callable[[torch.LongTensor], AbstractContextManager] | None = None
 
 
@@ -57,6 +59,8 @@ class MethodResult:
     num_draft_tokens: int = 0
     new_tokens: int = 0
     target_forwards: int = 0
+    decoding_steps: int = 0  # target forwards after each call's prefill
+    skipped_steps: int = 0  # of those, steps that decoded plainly without a drafter forward
     accepted_per_step: list[int] = field(default_factory=list)
     proposed_per_step: list[int] = field(default_factory=list)
     latency_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("step", *LATENCY_PARTS), 0.0))
@@ -70,6 +74,8 @@ class MethodResult:
         self.num_draft_tokens = stats["num_draft_tokens"]
         self.new_tokens += stats["new_tokens"]
         self.target_forwards += stats["target_forwards"]
+        self.decoding_steps += max(stats["target_forwards"] - 1, 0)
+        self.skipped_steps += stats["skipped_steps"]
         self.accepted_per_step += stats["accepted_per_step"]
         self.proposed_per_step += stats["proposed_per_step"]
         self.timed_steps += len(stats["step_seconds"])
@@ -85,6 +91,16 @@ class MethodResult:
     def acceptance_per_position(self) -> list[float]:
         """Share of the steps that drafted position k whose drafts were accepted up to k."""
         return acceptance_per_position(self.accepted_per_step, self.proposed_per_step)
+
+    @property
+    def drafted_per_step(self) -> float:
+        """Drafts sent to verification per decoding step, skipped steps included (as 0)."""
+        return sum(self.proposed_per_step) / self.decoding_steps if self.decoding_steps else math.nan
+
+    @property
+    def skipped_share(self) -> float:
+        """Share of decoding steps that skipped drafting."""
+        return self.skipped_steps / self.decoding_steps if self.decoding_steps else math.nan
 
     @property
     def forwards_per_token(self) -> float:
@@ -117,12 +133,16 @@ class MethodResult:
             "num_draft_tokens": self.num_draft_tokens,
             "tau": finite_or_none(self.tau),
             "acceptance_per_position": self.acceptance_per_position,
+            "drafted_per_step": finite_or_none(self.drafted_per_step),
+            "skipped_share": finite_or_none(self.skipped_share),
             "forwards_per_token": finite_or_none(self.forwards_per_token),
             "tokens_per_second": finite_or_none(self.median_tokens_per_second),
             "speedup": finite_or_none(self.speedup),
             "latency_ms": self.latency_ms,
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
+            "decoding_steps": self.decoding_steps,
+            "skipped_steps": self.skipped_steps,
             "timed_steps": self.timed_steps,
             "accepted_per_step": self.accepted_per_step,
             "proposed_per_step": self.proposed_per_step,
@@ -132,16 +152,20 @@ class MethodResult:
 
 
 @contextmanager
-def _draft_length(drafter: PreTrainedModel | None, num_draft_tokens: int | None) -> Iterator[None]:
-    if drafter is None or num_draft_tokens is None:
+def _drafting_settings(method: Method) -> Iterator[None]:
+    """The method's draft length and schedule in its drafter's generation config, for one call."""
+    overrides = {"num_assistant_tokens": method.num_draft_tokens, "num_assistant_tokens_schedule": method.schedule}
+    overrides = {name: value for name, value in overrides.items() if value is not None}
+    if method.drafter is None or not overrides:
         yield
         return
-    config = drafter.generation_config
-    original, config.num_assistant_tokens = config.num_assistant_tokens, num_draft_tokens
+    config = method.drafter.generation_config
+    originals = {name: getattr(config, name) for name in overrides}
+    config.update(**overrides)
     try:
         yield
     finally:
-        config.num_assistant_tokens = original
+        config.update(**originals)
 
 
 @contextmanager
@@ -161,7 +185,7 @@ def _decode(
     """One timed `generate` call: (output ids, seconds, generation stats)."""
     assistant = {"assistant_model": method.drafter} if method.drafter is not None else {}
     context = method.context(input_ids) if method.context is not None else nullcontext()
-    with context, _draft_length(method.drafter, method.num_draft_tokens), _counting_forwards(target) as forwards:
+    with context, _drafting_settings(method), _counting_forwards(target) as forwards:
         torch.manual_seed(seed)
         start = synchronized_clock()
         output = target.generate(input_ids, **assistant, **settings)
@@ -175,7 +199,8 @@ def _plain_stats(new_tokens: int, target_forwards: int) -> dict:
     """Plain decoding's run in the shape of `last_generation_stats`: no drafts, no verify steps."""
     per_step = ["accepted_per_step", "proposed_per_step", "step_seconds", *(f"{p}_seconds" for p in LATENCY_PARTS)]
     no_steps = {key: [] for key in per_step}
-    return {"num_draft_tokens": 0, "new_tokens": new_tokens, "target_forwards": target_forwards, **no_steps}
+    counts = {"num_draft_tokens": 0, "new_tokens": new_tokens, "target_forwards": target_forwards, "skipped_steps": 0}
+    return counts | no_steps
 
 
 def _prompt_record(prompt_tokens: int) -> dict:

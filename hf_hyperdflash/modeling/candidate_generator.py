@@ -7,15 +7,18 @@ one non-causal forward per block) or `MTPProposer` (native MTP: one step per dra
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache_deepseek_v4 import RewindableDeepseekV4Cache
+from .draft_policy import ConstantDraftPolicy, StepRecord
 from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
-from .step_timer import StepTimer
+from .step_timer import IterationTiming, StepTimer
 from .target_deepseek_v4 import DeepseekV4Target
 from .transformers_compat import CACHE_ARGUMENT
 
@@ -42,6 +45,15 @@ class TokenPicker:
         return token, logits
 
 
+def draft_confidences(logits: torch.Tensor) -> list[float]:
+    """The drafter's confidence at each drafted position ([1, k, V] processed logits): its top probability.
+
+    Not the probability of the drawn token: in sampling, a draft length that looked at the drawn token would bias
+    the output (only what is known before a position is drawn may decide whether it is verified).
+    """
+    return logits.softmax(dim=-1).amax(dim=-1).flatten().tolist()
+
+
 class BlockProposer:
     """HyperDFlash / vanilla DFlash: one non-causal drafter forward proposes a whole block."""
 
@@ -61,7 +73,9 @@ class BlockProposer:
         input_ids: torch.LongTensor,
         num_tokens: int,
         pick: TokenPicker,
-    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        keep_drafting: Callable[[list[float]], bool],
+    ) -> tuple[torch.LongTensor, torch.Tensor, int]:
+        """(drafted tokens, the processed logits they were picked from, drafter forwards spent)."""
         device, dtype = self.drafter.device, self.drafter.dtype
         anchor_embeds = self.target.embed(input_ids[:, -1:])
         anchor_position = torch.full((1, 1), input_ids.shape[1] - 1, device=device)
@@ -73,7 +87,7 @@ class BlockProposer:
             cache=self.cache,
         ).last_hidden_state
         logits = self.target.logits(hidden[:, 1 : 1 + num_tokens])
-        return _pick_sequentially(input_ids, logits.to(input_ids.device), pick)
+        return *_pick_sequentially(input_ids, logits.to(input_ids.device), pick), 1
 
 
 class MTPProposer:
@@ -106,19 +120,24 @@ class MTPProposer:
         input_ids: torch.LongTensor,
         num_tokens: int,
         pick: TokenPicker,
-    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        keep_drafting: Callable[[list[float]], bool],
+    ) -> tuple[torch.LongTensor, torch.Tensor, int]:
+        """Up to `num_tokens` drafts, one step each, stopping once `keep_drafting(confidences so far)` says so."""
         # Residual at position i pairs with the token at i + 1 (the newest one is the anchor).
         logits, residual = self._step(input_ids[:, positions[0] + 1], features, positions + 1)
-        candidates, all_logits = input_ids, []
-        for depth in range(num_tokens):
+        candidates, all_logits, confidences = input_ids, [], []
+        while True:
             token, processed = pick(candidates, logits)
             candidates = torch.cat([candidates, token], dim=-1)
             all_logits.append(processed)
-            if depth + 1 < num_tokens:
-                next_position = torch.full((1, 1), candidates.shape[1] - 1, device=input_ids.device)
-                logits, residual = self._step(token, residual, next_position)
-        self.cache.crop(-(num_tokens - 1))  # the deeper steps saw unverified tokens; keep only real context
-        return candidates[:, input_ids.shape[1] :], torch.stack(all_logits, dim=1)
+            confidences += draft_confidences(processed[:, None])
+            if len(all_logits) == num_tokens or not keep_drafting(confidences):
+                break
+            next_position = torch.full((1, 1), candidates.shape[1] - 1, device=input_ids.device)
+            logits, residual = self._step(token, residual, next_position)
+        depth = len(all_logits)
+        self.cache.crop(-(depth - 1))  # the deeper steps saw unverified tokens; keep only real context
+        return candidates[:, input_ids.shape[1] :], torch.stack(all_logits, dim=1), depth
 
 
 def _pick_sequentially(
@@ -141,6 +160,9 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
     generators do. When the call continues from a cache that already holds a prefix of the prompt,
     that prefill feeds only the rest, as plain decoding does (transformers' assisted loop would feed
     the whole prompt again on top of the cache); the drafter's context then starts at the new tokens.
+    The draft policy decides each step whether to draft and how many drafts to verify; a step that
+    skips drafting returns no candidates, so the target decodes one token as plain decoding would, and
+    its features wait for the drafter's next forward.
     """
 
     requires_model_outputs = True
@@ -154,14 +176,21 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         pick: TokenPicker,
         stats: GenerationStats,
         timer: StepTimer,
+        policy: ConstantDraftPolicy,
     ):
-        self.proposer, self.capture, self.pick, self.stats, self.timer = proposer, capture, pick, stats, timer
+        self.proposer, self.capture, self.pick, self.stats, self.policy = proposer, capture, pick, stats, policy
         self.num_draft_tokens, self.max_length = num_draft_tokens, max_length
         self.prompt_length: int | None = None
         self.consumed = 0  # leading positions whose features were taken (fed to the drafter or pending)
         self.model_kwargs_overrides: dict = {}  # merged into the target's forward inputs by transformers
         self.pending: torch.Tensor | None = None  # verified features the drafter has not seen yet
-        self.last_proposed = 0
+        self.timer = timer
+        timer.on_close = self._iteration_done
+        self._new_step()
+
+    def _new_step(self) -> None:
+        self.confidences: list[float] = []
+        self.last_proposed = self.last_accepted = self.drafter_forwards = 0
 
     def get_candidates(
         self,
@@ -174,7 +203,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         self.timer.start_iteration()
         self.stats.target_forwards += 1
-        self.last_proposed = 0
+        self._new_step()
         if is_first_iteration:
             self.prompt_length = input_ids.shape[1]
             self.consumed = model_kwargs[CACHE_ARGUMENT].get_seq_length()
@@ -196,18 +225,46 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         num_tokens = min(self.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
         if num_tokens <= 0:
             return input_ids, None
+        if not self.policy.should_draft():
+            self.stats.skipped_steps += 1
+            return input_ids, None
         context = self.pending
         self.pending = None
         positions = torch.arange(input_ids.shape[1] - 1 - context.shape[1], input_ids.shape[1] - 1)[None]
         with self.timer.timed("draft"):
-            tokens, logits = self.proposer.propose(
-                context, positions.to(input_ids.device), input_ids, num_tokens, self.pick
+            tokens, logits, self.drafter_forwards = self.proposer.propose(
+                context, positions.to(input_ids.device), input_ids, num_tokens, self.pick, self.policy.keep_drafting
             )
-        self.last_proposed = num_tokens
+            self.confidences = draft_confidences(logits)
+        self.last_proposed = self.policy.choose(self.confidences)
+        if not self.last_proposed:
+            return input_ids, None
+        tokens, logits = tokens[:, : self.last_proposed], logits[:, : self.last_proposed]
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        self.last_accepted = int(num_matches)
         if self.last_proposed:
-            self.stats.accepted_per_step.append(int(num_matches))
+            self.stats.accepted_per_step.append(self.last_accepted)
             self.stats.proposed_per_step.append(self.last_proposed)
         self.stats.new_tokens = input_ids.shape[1] - self.prompt_length
+
+    def _iteration_done(self, timing: IterationTiming) -> None:
+        """Record the closed iteration's timings (steps that verified drafts) and let the policy learn from it."""
+        if timing.index == 1:
+            self.stats.prefill_seconds = timing.seconds
+            return
+        if self.last_proposed:
+            self.stats.step_seconds.append(timing.seconds)
+            self.stats.draft_seconds.append(timing.draft)
+            self.stats.verify_seconds.append(timing.verify)
+            self.stats.rollback_seconds.append(timing.rollback)
+        step = StepRecord(
+            confidences=self.confidences,
+            proposed=self.last_proposed,
+            accepted=self.last_accepted,
+            drafter_forwards=self.drafter_forwards,
+            draft_seconds=timing.draft,
+            other_seconds=timing.seconds - timing.draft,
+        )
+        self.policy.record(step)

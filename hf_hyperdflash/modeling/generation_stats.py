@@ -35,7 +35,8 @@ class GenerationStats:
     summary; the per-step lists stay available for analysis.
     """
 
-    num_draft_tokens: int
+    num_draft_tokens: int  # the most drafts one step may verify
+    schedule: str = "constant"  # the draft policy: "adaptive" (draft_policy.py) or "constant"
     target_forwards: int = 0
     new_tokens: int = 0
     seconds: float = 0.0  # wall time of the whole generate call
@@ -47,6 +48,22 @@ class GenerationStats:
     verify_seconds: list[float] = field(default_factory=list)
     rollback_seconds: list[float] = field(default_factory=list)
     prefill_seconds: float = 0.0
+    skipped_steps: int = 0  # steps after the prefill that decoded plainly, without a drafter forward
+
+    @property
+    def decoding_steps(self) -> int:
+        """Target forwards after the prefill."""
+        return max(self.target_forwards - 1, 0)
+
+    @property
+    def mean_drafted_tokens(self) -> float:
+        """Drafts sent to verification per decoding step (skipped steps count as 0)."""
+        return sum(self.proposed_per_step) / self.decoding_steps if self.decoding_steps else math.nan
+
+    @property
+    def skipped_share(self) -> float:
+        """Share of decoding steps that skipped drafting."""
+        return self.skipped_steps / self.decoding_steps if self.decoding_steps else math.nan
 
     @property
     def mean_accepted_length(self) -> float:
@@ -59,6 +76,8 @@ class GenerationStats:
     def as_dict(self) -> dict:
         summary = {"mean_accepted_length": self.mean_accepted_length}
         summary["acceptance_per_position"] = self.acceptance_per_position
+        summary["mean_drafted_tokens"] = self.mean_drafted_tokens
+        summary["skipped_share"] = self.skipped_share
         return summary | {f.name: getattr(self, f.name) for f in fields(self)}
 
     def keys(self) -> list[str]:
@@ -73,5 +92,6 @@ class GenerationStats:
         acceptance = ", ".join(f"{rate:.2f}" for rate in self.acceptance_per_position)
         return (
             f"GenerationStats(tau={self.mean_accepted_length:.2f}, acceptance_per_position=[{acceptance}], "
+            f"drafted_per_step={self.mean_drafted_tokens:.2f}, skipped_share={self.skipped_share:.2f}, "
             f"target_forwards={self.target_forwards}, new_tokens={self.new_tokens}, seconds={self.seconds:.2f})"
         )

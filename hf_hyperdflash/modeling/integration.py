@@ -29,6 +29,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from .candidate_generator import BlockProposer, MTPProposer, SpeculativeCandidateGenerator, TokenPicker
 from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
 from .configuration_hyperdflash import HyperDFlashConfig
+from .draft_policy import SCHEDULES, make_draft_policy
 from .generation_stats import GenerationStats
 from .output_split import hidden_states_split_per_token
 from .step_timer import StepTimer, synchronized_clock
@@ -104,6 +105,18 @@ def num_draft_tokens(drafter: PreTrainedModel) -> int:
             f"({config.block_size - 1}). Lower `drafter.generation_config.num_assistant_tokens`."
         )
     return num
+
+
+def draft_schedule(drafter: PreTrainedModel) -> str:
+    """`drafter.generation_config.num_assistant_tokens_schedule`: "adaptive" (the default) or "constant"."""
+    schedule = getattr(getattr(drafter, "generation_config", None), "num_assistant_tokens_schedule", None)
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"`drafter.generation_config.num_assistant_tokens_schedule` is {schedule!r}; this drafter takes one of "
+            f"{list(SCHEDULES)}: 'adaptive' chooses each step's draft length from the drafter's confidence and the "
+            "measured costs, 'constant' always drafts `num_assistant_tokens`."
+        )
+    return schedule
 
 
 def _refuse_incompatible_options(generation_config: GenerationConfig, drafter: PreTrainedModel) -> None:
@@ -228,12 +241,14 @@ def speculative_generate(
     kwargs = bound.arguments.pop("kwargs", {})
     cache = pop_user_cache(kwargs)
     draft_length = num_draft_tokens(drafter)
+    schedule = draft_schedule(drafter)
     prompt_length = _validate_request(target_model, bound, kwargs, cache, draft_length)
-    stats = GenerationStats(num_draft_tokens=draft_length)
+    stats = GenerationStats(num_draft_tokens=draft_length, schedule=schedule)
     if drafter.config.model_type in BLOCK_DRAFTER_TYPES:
         proposer = BlockProposer(drafter, target)
     else:
         proposer = MTPProposer(drafter, target, draft_length)
+    sequential = isinstance(proposer, MTPProposer)
 
     cache = cache if cache is not None else target.make_cache(max_draft=draft_length)
     streamer = bound.arguments.get("streamer")
@@ -241,13 +256,14 @@ def speculative_generate(
         streamer = bound.arguments["streamer"] = HeldBackStreamer(streamer)
     build_stopping_criteria = target_model._get_stopping_criteria
     stopping: list[PerTokenStopping] = []
-    timer = StepTimer(stats)
+    timer = StepTimer()
     with target.capture(proposer.feature_layers) as capture:
 
         def candidate_generator(generation_config, logits_processor, **_) -> SpeculativeCandidateGenerator:
             pick = TokenPicker(logits_processor, bool(generation_config.do_sample))
+            policy = make_draft_policy(schedule, draft_length, sequential)
             return SpeculativeCandidateGenerator(
-                proposer, capture, draft_length, generation_config.max_length, pick, stats, timer
+                proposer, capture, draft_length, generation_config.max_length, pick, stats, timer, policy
             )
 
         def stopping_criteria(**options) -> PerTokenStopping:

@@ -94,6 +94,7 @@ class ModelCardMixin:
         hub_options = {name: kwargs.pop(name) for name in HUB_OPTIONS if name in kwargs}
         repo_id = hub_options.pop("repo_id", None) or Path(save_directory).name
         result = super().save_pretrained(save_directory, *args, **kwargs)
+        self.generation_config.save_pretrained(save_directory)  # draft length and schedule (transformers skips it)
         (Path(save_directory) / "README.md").write_text(model_card(self.config, repo_id, self.measured_tau))
         if push_to_hub:
             _upload(save_directory, repo_id, token=kwargs.get("token"), **hub_options)

@@ -25,6 +25,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
+from .draft_policy import ADAPTIVE_SCHEDULE
 from .integration import DEFAULT_MTP_DEPTH, install_generate_integration
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
@@ -51,7 +52,7 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, DeepseekV4Pre
         self.rotary_emb = DeepseekV4RotaryEmbedding(config)
         self.post_init()
         self.generation_config = GenerationConfig(
-            num_assistant_tokens=DEFAULT_MTP_DEPTH, num_assistant_tokens_schedule="constant"
+            num_assistant_tokens=DEFAULT_MTP_DEPTH, num_assistant_tokens_schedule=ADAPTIVE_SCHEDULE
         )
 
     @classmethod

@@ -19,6 +19,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from .configuration_hyperdflash import DEFAULT_CONTEXT_WINDOW, TARGET_MODEL_TYPES, HyperDFlashConfig
+from .draft_policy import ADAPTIVE_SCHEDULE
 from .integration import install_generate_integration
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
@@ -218,7 +219,7 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         # Draft length in transformers' assistant convention; derived from the config, so it survives save/load.
         self.generation_config = GenerationConfig(
-            num_assistant_tokens=config.block_size - 1, num_assistant_tokens_schedule="constant"
+            num_assistant_tokens=config.block_size - 1, num_assistant_tokens_schedule=ADAPTIVE_SCHEDULE
         )
         self.post_init()
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import Cache, PreTrainedModel
-
-from .generation_stats import GenerationStats
 
 
 def synchronized_clock() -> float:
@@ -19,31 +18,37 @@ def synchronized_clock() -> float:
     return time.perf_counter()
 
 
+@dataclass
+class IterationTiming:
+    """One decoding iteration's wall time and its timed parts, in seconds."""
+
+    index: int  # 1: the prefill
+    seconds: float
+    draft: float
+    verify: float
+    rollback: float
+
+
 class StepTimer:
     """Splits each decoding iteration's wall time into drafting, the target forward and the cache rollback.
 
     An iteration runs from one `get_candidates` call to the next (the last one to the end of `generate`); what
-    the three parts leave over (acceptance, logits processors, feature bookkeeping) is the step's overhead.
-    Iterations that drafted are verify steps and land in `stats`; the first iteration is the prefill.
+    the three parts leave over (acceptance, logits processors, feature bookkeeping) is the step's overhead. Each
+    closed iteration goes to `on_close` (set by the candidate generator, which knows what the step drafted).
     """
 
-    def __init__(self, stats: GenerationStats):
-        self.stats = stats
+    def __init__(self):
         self.start: float | None = None
         self.forward_start = 0.0
         self.parts = {"draft": 0.0, "verify": 0.0, "rollback": 0.0}
         self.iterations = 0
+        self.on_close: Callable[[IterationTiming], None] | None = None
 
     def _close(self, now: float) -> None:
         if self.start is None:
             return
-        if self.parts["draft"] > 0.0:  # the iteration drafted: a verify step
-            self.stats.step_seconds.append(now - self.start)
-            self.stats.draft_seconds.append(self.parts["draft"])
-            self.stats.verify_seconds.append(self.parts["verify"])
-            self.stats.rollback_seconds.append(self.parts["rollback"])
-        elif self.iterations == 1:
-            self.stats.prefill_seconds = now - self.start
+        if self.on_close is not None:
+            self.on_close(IterationTiming(self.iterations, now - self.start, **self.parts))
         self.start = None
 
     def start_iteration(self) -> None:

@@ -11,11 +11,13 @@ from pathlib import Path
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
+from transformers import GenerationConfig
 
 from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
 from .configuration_hyperdflash import HyperDFlashConfig
 
 LOAD_PROBLEMS = ("missing_keys", "unexpected_keys", "mismatched_keys")
+HUB_LOADING_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 DRAFTER_MODEL_TYPES = (HyperDFlashConfig.model_type, DeepseekV4MTPConfig.model_type)
 
@@ -106,4 +108,15 @@ class StrictLoadingMixin:
                 f"The {cls.__name__} checkpoint at {pretrained_model_name_or_path} does not match its config "
                 f"({details}). It is partial or belongs to another drafter; save it again with save_pretrained()."
             )
+        _load_generation_config(model, pretrained_model_name_or_path, kwargs)
         return (model, info) if return_info else model
+
+
+def _load_generation_config(model, name_or_path, loading_options: dict) -> None:
+    """The saved draft settings (`generation_config.json`: draft length and schedule), which transformers reads only
+    for models that generate; a folder without the file keeps the drafter's defaults."""
+    options = {name: loading_options[name] for name in HUB_LOADING_OPTIONS if name in loading_options}
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(name_or_path, **options)
+    except OSError:
+        pass
