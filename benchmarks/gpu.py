@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py                  # a CUDA machine: bf16, then the target split over GPU and CPU
     python benchmarks/gpu.py --device cpu     # the small CPU version (CI runs it): fp32, split over CPU and disk
+    python benchmarks/gpu.py --dtype float32 --no-split --schedules adaptive constant   # fp32 CUDA, both schedules
 
 Two settings, each on held-out ShareGPT prompts with the shipped HyperDFlash drafter, plain and speculative greedy
 decoding interleaved (medians over repeats):
@@ -13,7 +14,8 @@ decoding interleaved (medians over repeats):
 
 Prints one JSON object: per setting `lossless` (share of prompts whose speculative output equals plain decoding's),
 `tau`, `speedup` (median per-prompt ratio), the devices used, and top-level `lossless`, `tau`, `speedup` of the
-single-device run. A CUDA run takes about 3 minutes (budget: under 8); the CPU version about 1.
+single-device run. With several `--schedules`, the single-device setting runs once per draft schedule
+(`single-constant` for the constant one). A CUDA run takes about 3 minutes (budget: under 8); the CPU version about 1.
 """
 
 from __future__ import annotations
@@ -69,11 +71,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--prompts", default="sharegpt", help="'sharegpt' (its held-out split) or a JSONL file of chats ('messages')"
     )
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--no-split", action="store_true", help="skip the split-target setting")
+    parser.add_argument("--schedules", nargs="+", choices=["adaptive", "constant"], default=["adaptive"])
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("No CUDA device here; run with --device cpu for the small CPU version.")
     size = SIZES[args.device]
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
     messages = load_prompts(args.prompts, "held_out", size["prompts"], max_chars=2000)
     prompts = [encode_prompt(tokenizer, m, enable_thinking=False) for m in messages]
@@ -81,15 +86,21 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": str(dtype)}
 
     target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=dtype).to(args.device).eval()
-    report["single"] = measure(target, load_drafter_for(target, dtype), prompts, **timing)
+    drafter = load_drafter_for(target, dtype)
+    names = ["single" if schedule == "adaptive" else f"single-{schedule}" for schedule in args.schedules]
+    for name, schedule in zip(names, args.schedules, strict=True):
+        drafter.generation_config.num_assistant_tokens_schedule = schedule
+        report[name] = {"schedule": schedule, **measure(target, drafter, prompts, **timing)}
     del target
-    with tempfile.TemporaryDirectory() as offload_folder:
-        target = split_target(args.device, dtype, offload_folder)
-        devices = sorted({str(device) for device in target.hf_device_map.values()})
-        if len(devices) < 2:
-            raise RuntimeError(f"max_memory did not split the target: {target.hf_device_map}")
-        report["split"] = {"devices": devices, **measure(target, load_drafter_for(target, dtype), prompts, **timing)}
-    report |= {key: report["single"][key] for key in ("lossless", "tau", "speedup")}
+    if not args.no_split:  # the drafter's default schedule
+        with tempfile.TemporaryDirectory() as offload_folder:
+            target = split_target(args.device, dtype, offload_folder)
+            devices = sorted({str(device) for device in target.hf_device_map.values()})
+            if len(devices) < 2:
+                raise RuntimeError(f"max_memory did not split the target: {target.hf_device_map}")
+            drafter = load_drafter_for(target, dtype)
+            report["split"] = {"devices": devices, **measure(target, drafter, prompts, **timing)}
+    report |= {key: report[names[0]][key] for key in ("lossless", "tau", "speedup")}
     print(json.dumps(report, indent=2))
     return report
 

@@ -63,11 +63,11 @@ def test_choose_truncates_where_more_drafts_cost_more_than_they_bring():
     assert policy.choose(unsure) == 0
 
 
-def test_losing_drafts_back_off_doubling_and_a_winning_probe_resumes_drafting():
+def test_losing_drafts_back_off_fourfold_and_a_winning_probe_resumes_drafting():
     policy = AdaptiveDraftPolicy(max_draft=7, sequential=False)
     policy.record(_step(proposed=0, accepted=0, seconds=1.0))  # a plain step: 1 token per second
     pattern = []
-    for _ in range(60):
+    for _ in range(160):
         drafts = policy.should_draft()
         pattern.append(drafts)
         if drafts:  # every draft is rejected and costs a quarter step on top
@@ -75,9 +75,9 @@ def test_losing_drafts_back_off_doubling_and_a_winning_probe_resumes_drafting():
         else:
             policy.record(_step(proposed=0, accepted=0, seconds=1.0))
     probes = [i for i, drafts in enumerate(pattern) if drafts]
-    assert [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)] == [1, 2, 4, 8, 16]
+    assert [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)] == [1, 4, 16, 64, 64]
     assert policy.backoff == 64
-    for _ in range(40):  # drafts now bring 4 tokens per step: drafting resumes every step
+    for _ in range(70):  # drafts now bring 4 tokens per step: drafting resumes every step
         if policy.should_draft():
             policy.record(_step(proposed=3, accepted=3, seconds=1.0, draft=0.25, confidences=[0.9] * 3))
         else:

@@ -7,7 +7,7 @@ only on what is known before its token is drawn (confidences 1..j, past steps), 
 positions: a rule that looked at them would bias speculative sampling. Seconds come from this call's own
 timings of the drafter and of target forwards over 1..k+1 tokens: on a CPU a longer verify costs more, on a GPU
 about the same, so no cost is assumed. When drafting loses to plain decoding, steps decode plainly with no drafter
-forward, and a probe drafts again after a backoff that doubles while probes keep losing.
+forward, and a probe drafts again after a backoff that grows fourfold while probes keep losing.
 
 `ConstantDraftPolicy` (schedule "constant") drafts the full length every step.
 """
@@ -143,6 +143,7 @@ class AdaptiveDraftPolicy(ConstantDraftPolicy):
 
     schedule = ADAPTIVE_SCHEDULE
     max_backoff = 64  # plain steps between probes at most
+    backoff_growth = 4  # each losing probe: 1, 4, 16, 64 plain steps before the next
 
     def __init__(self, max_draft: int, sequential: bool):
         super().__init__(max_draft)
@@ -207,7 +208,7 @@ class AdaptiveDraftPolicy(ConstantDraftPolicy):
             self.backoff = 1
         else:  # decode plainly for a while, then probe; wait longer each time a probe loses
             self.plain_steps_left = self.backoff
-            self.backoff = min(2 * self.backoff, self.max_backoff)
+            self.backoff = min(self.backoff_growth * self.backoff, self.max_backoff)
 
 
 def make_draft_policy(schedule: str, max_draft: int, sequential: bool) -> ConstantDraftPolicy:
