@@ -78,7 +78,8 @@ def test_push_to_hub_uploads_what_save_pretrained_writes(target, monkeypatch):
     (upload,) = uploads
     assert upload["repo_id"] == "org/hyperdflash-tiny" and upload["message"] == "first"
     files = upload["files"]
-    assert {"config.json", "model.safetensors", "README.md", "modeling_hyperdflash.py", "integration.py"} <= set(files)
+    expected = {"config.json", "generation_config.json", "model.safetensors", "README.md", "modeling_hyperdflash.py"}
+    assert expected | {"integration.py", "draft_policy.py"} <= set(files)
     card = files["README.md"].decode()
     assert "name: org/hyperdflash-tiny" in card or '"name": "org/hyperdflash-tiny"' in card
     assert 'AutoModel.from_pretrained("org/hyperdflash-tiny", trust_remote_code=True' in card

@@ -22,7 +22,12 @@ from packaging.version import Version
 from transformers import DynamicCache, GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.masking_utils import create_sliding_window_causal_mask
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead, DeepseekV4PreTrainedModel
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4HyperHead,
+    DeepseekV4Indexer,
+    DeepseekV4IndexerScorer,
+    DeepseekV4PreTrainedModel,
+)
 
 from hf_hyperdflash.modeling import candidate_generator, transformers_compat
 from hf_hyperdflash.testing import tiny_deepseek_v4
@@ -169,3 +174,23 @@ def test_hc_head_collapses_the_pre_collapse_residual():
 def test_assisted_decoding_rewinds_through_the_cache_api(name):
     """The rewindable cache implements exactly these; transformers must still call them."""
     assert _calls(ASSISTED_DECODING, name)
+
+
+def test_indexer_scores_feed_only_its_top_k():
+    """`indexer_ties` replaces the scorer's output by ranks; that is exact only while the indexer uses the scores for
+    nothing but masking and `topk` (a version that also weighted attention by them must fail here)."""
+    forward = ast.parse(textwrap.dedent(inspect.getsource(DeepseekV4Indexer.forward)))
+    (assignment,) = [
+        node for node in ast.walk(forward) if isinstance(node, ast.Assign) and _calls(node.value, "scorer")
+    ]
+    name = assignment.targets[0].id
+    uses = [node for node in ast.walk(forward) if isinstance(node, ast.Name) and node.id == name]
+    users = {_called_name(call) for call in ast.walk(forward) if isinstance(call, ast.Call)}
+    assert "topk" in users and "masked_fill" in users
+    methods = {
+        node.attr
+        for node in ast.walk(forward)
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == name
+    }
+    assert methods <= {"topk", "masked_fill", "shape", "device"} and len(uses) >= 2
+    assert getattr(DeepseekV4IndexerScorer.forward, "_hyperdflash_ties_by_position", False)  # installed on import

@@ -31,6 +31,7 @@ from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
 from .configuration_hyperdflash import HyperDFlashConfig
 from .draft_policy import SCHEDULES, make_draft_policy
 from .generation_stats import GenerationStats
+from .indexer_ties import install_deterministic_indexer
 from .output_split import hidden_states_split_per_token
 from .step_timer import StepTimer, synchronized_clock
 from .stopping import HeldBackStreamer, PerTokenStopping
@@ -304,7 +305,9 @@ def _wrap_generate(original_generate: Callable) -> Callable:
 
 
 def install_generate_integration() -> None:
-    """Make `generate()` understand our drafters. Idempotent: one wrapper per process, whichever copy installs it."""
+    """Make `generate()` understand our drafters. Idempotent: one wrapper per process, whichever copy installs it.
+    Also makes V4's indexer break exact score ties by position, so verify forwards select what decoding does."""
+    install_deterministic_indexer()
     current = GenerationMixin.generate
     installed_by = getattr(current, _INSTALLED_BY, None)
     is_library = __name__.startswith("hf_hyperdflash.")

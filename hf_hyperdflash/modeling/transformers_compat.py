@@ -28,6 +28,8 @@ pinned by a test in `tests/test_transformers_internals.py`, run on both versions
   (test_hc_head_collapses_the_pre_collapse_residual)
 - `DeepseekV4HCACache` / `DeepseekV4CSACache` state and hooks: what the rewindable cache intercepts
   (tests/test_rewindable_cache.py)
+- `DeepseekV4IndexerScorer.forward`: its scores become ranks with ties broken by position (`indexer_ties.py`),
+  exact while the indexer only masks and top-k's them (test_indexer_scores_feed_only_its_top_k)
 - the cache argument's name, `CACHE_ARGUMENT` below (test_cache_argument_is_the_installed_versions)
 """
 

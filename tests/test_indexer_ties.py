@@ -1,0 +1,56 @@
+"""Verification selects the indexer entries token-by-token decoding selects, also when index scores tie exactly.
+
+With 2 indexer heads (the upstream V4 tester's setting) many index scores are exactly 0.0 (ReLU), and stock
+`torch.topk` picks among them differently in a one-token forward and in a multi-token verify forward. The package
+installs a scorer whose ties go to the earliest entry in every forward (`indexer_ties.py`).
+"""
+
+import pytest
+import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
+
+from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+from hf_hyperdflash.modeling.indexer_ties import ranks_with_ties_by_position
+from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
+
+SEEDS = range(10)
+NEW_TOKENS = 24
+PROMPT_TOKENS = 40  # past the sliding window (8) and the indexer budget (index_topk 4 of 40 / 4 entries)
+
+
+def test_ranks_keep_the_score_order_and_put_earlier_entries_first_among_ties():
+    scores = torch.tensor([[[3.0, 0.0, 0.0, 5.0, 0.0, 3.0]]])
+    ranks = ranks_with_ties_by_position(scores)
+    assert ranks.tolist() == [[[-1.0, -3.0, -4.0, -0.0, -5.0, -2.0]]]
+    assert ranks.topk(4, dim=-1).indices.tolist() == [[[3, 0, 5, 1]]]
+
+
+def _decode_pairs(kind: str):
+    """(plain, speculative) greedy outputs per seed, on tiny targets with 2 indexer heads, drafts mostly accepted."""
+    for seed in SEEDS:
+        target = tiny_deepseek_v4(seed=seed, index_n_heads=2)
+        torch.manual_seed(seed)
+        if kind == "mtp":
+            drafter = DeepseekV4MTPForDrafting.from_target(target).eval()
+        else:
+            drafter = HyperDFlashForDrafting.from_target(target, block_size=8).eval()
+        drafter.generation_config.num_assistant_tokens_schedule = "constant"  # every step a multi-token verify
+        prompt = torch.randint(
+            3, target.config.vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(seed)
+        )
+        plain = target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        with oracle_drafting(OracleProposer(target.config.vocab_size, plain, corruption=0.15, seed=seed)):
+            speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False)
+        yield plain, speculative
+
+
+@pytest.mark.parametrize("kind", ["hyperdflash", "mtp"])
+def test_greedy_speculation_matches_plain_decoding_with_two_indexer_heads(kind):
+    for plain, speculative in _decode_pairs(kind):
+        assert torch.equal(plain, speculative)
+
+
+def test_stock_tie_breaking_makes_verification_differ(monkeypatch):
+    """Negative control: with the stock scorer the same runs differ from plain decoding (transformers 5.23/5.24)."""
+    monkeypatch.setattr(DeepseekV4IndexerScorer, "forward", DeepseekV4IndexerScorer.forward.__wrapped__)
+    assert any(not torch.equal(plain, speculative) for plain, speculative in _decode_pairs("hyperdflash"))
