@@ -40,16 +40,16 @@ def test_calibration_counts_accepted_drafts_and_the_first_rejected_one_only():
 
 def test_step_costs_are_flat_from_one_length_and_a_line_from_several():
     costs = StepCosts()
-    assert costs.step_seconds(4) is None
+    assert costs.step_seconds_up_to(4) is None
     costs.record(_step(proposed=7, accepted=7, seconds=2.0, draft=0.5))
-    assert costs.step_seconds(1) == costs.step_seconds(8) == 2.0  # one length seen: a GPU-like flat cost
+    assert costs.step_seconds_up_to(8) == [2.0] * 8  # one length seen: a GPU-like flat cost
     assert costs.draft_seconds(2) == pytest.approx(1.0)
     costs.record(_step(proposed=0, accepted=0, seconds=1.0))
-    assert costs.step_seconds(4) == pytest.approx(1.0 + 3 / 7)  # on the line through (1, 1.0) and (8, 2.0)
+    assert costs.step_seconds_up_to(8) == pytest.approx([1.0 + n / 7 for n in range(8)])  # the line (1, 1.0)-(8, 2.0)
     falling = StepCosts()
     falling.record(_step(proposed=0, accepted=0, seconds=2.0))
     falling.record(_step(proposed=7, accepted=0, seconds=1.0, draft=0.1))
-    assert falling.step_seconds(4) == pytest.approx(1.5)  # slope clamped at 0: never cheaper for more tokens
+    assert falling.step_seconds_up_to(4)[1:] == pytest.approx([1.5] * 3)  # slope 0 at least: longer is never cheaper
 
 
 def test_choose_truncates_where_more_drafts_cost_more_than_they_bring():
@@ -70,16 +70,16 @@ def test_losing_drafts_back_off_fourfold_and_a_winning_probe_resumes_drafting():
     for _ in range(160):
         drafts = policy.should_draft()
         pattern.append(drafts)
-        if drafts:  # every draft is rejected and costs a quarter step on top
-            policy.record(_step(proposed=1, accepted=0, seconds=1.0, draft=0.25, confidences=[0.01]))
+        if drafts:  # every draft is rejected and costs half a step on top
+            policy.record(_step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.01]))
         else:
             policy.record(_step(proposed=0, accepted=0, seconds=1.0))
     probes = [i for i, drafts in enumerate(pattern) if drafts]
-    assert [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)] == [1, 4, 16, 64, 64]
+    assert [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)] == [0, 1, 4, 16, 64, 64]
     assert policy.backoff == 64
     for _ in range(70):  # drafts now bring 4 tokens per step: drafting resumes every step
         if policy.should_draft():
-            policy.record(_step(proposed=3, accepted=3, seconds=1.0, draft=0.25, confidences=[0.9] * 3))
+            policy.record(_step(proposed=3, accepted=3, seconds=1.0, draft=0.5, confidences=[0.9] * 3))
         else:
             policy.record(_step(proposed=0, accepted=0, seconds=1.0))
     assert policy.backoff == 1
@@ -126,7 +126,7 @@ def test_adaptive_is_the_default_and_skips_an_untrained_drafter_losslessly(tiny_
     stats = drafter.last_generation_stats
     assert torch.equal(adaptive, plain)
     assert stats.schedule == "adaptive" and stats.skipped_share > 0.5
-    assert stats.decoding_steps == stats.target_forwards - 1 and stats.mean_drafted_tokens < 1.0
+    assert stats.decoding_steps == stats.target_forwards - 1 and stats.mean_drafted_tokens < 7 / 2
     assert len(stats.step_seconds) == len(stats.accepted_per_step) == len(stats.proposed_per_step)
 
 

@@ -129,7 +129,9 @@ def test_adaptive_truncation_keeps_the_target_distribution(target, monkeypatch):
     """The adaptive schedule verifies 0, 1 or 2 of the untrained drafter's drafts by its confidence at each position
     (costs as on a CPU, where each verified token adds to the step; a steep confidence-to-acceptance map so that the
     choice varies): sampling stays exact when the draft length depends on the drafter's distributions."""
-    monkeypatch.setattr(StepCosts, "step_seconds", lambda self, length: 1.0 + 0.3 * length)
+    monkeypatch.setattr(
+        StepCosts, "step_seconds_up_to", lambda self, longest: [1.0 + 0.3 * n for n in range(1, longest + 1)]
+    )
     monkeypatch.setattr(AcceptanceCalibration, "probability", lambda self, c: min(max((c - 0.5) * 8, 0.0), 1.0))
     choices, choose = [], AdaptiveDraftPolicy.choose
     monkeypatch.setattr(AdaptiveDraftPolicy, "choose", lambda self, c: choices.append(choose(self, c)) or choices[-1])

@@ -14,6 +14,9 @@ forward, and a probe drafts again after a backoff that grows fourfold while prob
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,21 +100,24 @@ class StepCosts:
     def draft_seconds(self, forwards: int) -> float:
         return forwards * (self.drafter_forward.value or 0.0)
 
-    def step_seconds(self, length: int) -> float | None:
-        """A step verifying `length` tokens; None before any step was timed. With one length seen, the cost is taken
-        as flat in the length (a GPU's case); with more, a least-squares line (slope >= 0)."""
+    def step_seconds_up_to(self, longest: int) -> list[float] | None:
+        """Entry n-1: a step verifying n tokens, for n = 1..longest; None before any step was timed. Timed lengths
+        use their own mean; others a least-squares line through them (slope >= 0), flat while one length is known
+        (a GPU's case: a longer verify costs about the same)."""
         points = [(n, mean.value) for n, mean in self.by_length.items()]
         if not points:
             return None
-        if length in self.by_length:
-            return self.by_length[length].value
-        if len(points) == 1:
-            return points[0][1]
-        mean_n = sum(n for n, _ in points) / len(points)
-        mean_t = sum(t for _, t in points) / len(points)
-        spread = sum((n - mean_n) ** 2 for n, _ in points)
-        slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in points) / spread)
-        return max(mean_t + slope * (length - mean_n), 1e-9)
+        intercept, slope = points[0][1], 0.0
+        if len(points) > 1:
+            mean_n = statistics.fmean(n for n, _ in points)
+            mean_t = statistics.fmean(t for _, t in points)
+            spread = sum((n - mean_n) ** 2 for n, _ in points)
+            slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in points) / spread)
+            intercept = mean_t - slope * mean_n
+        return [
+            self.by_length[n].value if n in self.by_length else max(intercept + slope * n, 1e-9)
+            for n in range(1, longest + 1)
+        ]
 
 
 class ConstantDraftPolicy:
@@ -144,14 +150,14 @@ class AdaptiveDraftPolicy(ConstantDraftPolicy):
     schedule = ADAPTIVE_SCHEDULE
     max_backoff = 64  # plain steps between probes at most
     backoff_growth = 4  # each losing probe: 1, 4, 16, 64 plain steps before the next
+    drafting_window = 16  # the drafted steps whose tokens and seconds decide whether drafting pays
 
     def __init__(self, max_draft: int, sequential: bool):
         super().__init__(max_draft)
         self.sequential = sequential
         self.calibration = AcceptanceCalibration()
         self.costs = StepCosts()
-        self.tokens_per_drafted_step = RunningMean()
-        self.seconds_per_drafted_step = RunningMean()
+        self.recent_drafted_steps: deque[tuple[int, float]] = deque(maxlen=self.drafting_window)
         self.backoff = 1
         self.plain_steps_left = 0
 
@@ -161,50 +167,53 @@ class AdaptiveDraftPolicy(ConstantDraftPolicy):
             return False
         return True
 
-    def _rate(self, totals: Sequence[float], drafted: int, forwards: int, sunk: bool) -> float | None:
-        """Expected tokens per second of verifying `drafted` drafts; the draft's cost is left out once spent."""
-        seconds = self.costs.step_seconds(drafted + 1)
-        if seconds is None:
-            return None
-        if not sunk:
-            seconds += self.costs.draft_seconds(forwards)
-        return totals[drafted] / seconds
-
     def choose(self, confidences: Sequence[float]) -> int:
         """How many of the drafts to verify: position j joins while it raises the expected rate, judged from
         confidences 1..j. The drafter forward is spent, so only the verify's cost counts. Expected tokens grow by
         less with each position and costs grow linearly, so the first position that lowers the rate ends the best
         prefix."""
-        totals = expected_tokens([self.calibration.probability(c) for c in confidences])
-        if self._rate(totals, 0, 0, sunk=True) is None:  # nothing timed yet: verify everything (times that length)
+        seconds = self.costs.step_seconds_up_to(len(confidences) + 1)
+        if seconds is None:  # nothing timed yet: verify everything (which times that length)
             return len(confidences)
+        totals = expected_tokens([self.calibration.probability(c) for c in confidences])
         for k in range(1, len(confidences) + 1):
-            if self._rate(totals, k, 0, sunk=True) < self._rate(totals, k - 1, 0, sunk=True):
+            if totals[k] / seconds[k] < totals[k - 1] / seconds[k - 1]:
                 return k - 1
         return len(confidences)
 
     def keep_drafting(self, confidences: Sequence[float]) -> bool:
         """For a sequential drafter: draft one more token if that beats stopping here, taking the next draft to be
         accepted as often as the last one was."""
-        if len(confidences) >= self.max_draft:
+        depth = len(confidences)
+        if depth >= self.max_draft:
             return False
+        seconds = self.costs.step_seconds_up_to(depth + 2)
+        if seconds is None:
+            return True
         acceptance = [self.calibration.probability(c) for c in confidences]
         totals = expected_tokens([*acceptance, acceptance[-1]])
-        depth = len(confidences)
-        now = self._rate(totals, depth, depth, sunk=False)
-        deeper = self._rate(totals, depth + 1, depth + 1, sunk=False)
-        return now is None or deeper >= now
+        now = totals[depth] / (seconds[depth] + self.costs.draft_seconds(depth))
+        deeper = totals[depth + 1] / (seconds[depth + 1] + self.costs.draft_seconds(depth + 1))
+        return deeper >= now
+
+    def _drafting_pays(self) -> bool:
+        """Unless the recent drafted steps show drafting losing to plain steps beyond their noise: their mean tokens
+        per step gets one standard error of benefit of the doubt (at least a fair coin's, 0.5 / sqrt(steps)). One
+        step's accept/reject is a coin flip, and a drafter that wins by 15% would otherwise lose after two unlucky
+        steps."""
+        tokens = [n for n, _ in self.recent_drafted_steps]
+        seconds = statistics.fmean(t for _, t in self.recent_drafted_steps)
+        spread = max(statistics.stdev(tokens) if len(tokens) > 1 else 0.0, 0.5)
+        optimistic_tokens = statistics.fmean(tokens) + spread / math.sqrt(len(tokens))
+        return optimistic_tokens / seconds >= 1.0 / self.costs.step_seconds_up_to(1)[0]
 
     def record(self, step: StepRecord) -> None:
         self.costs.record(step)
         if not step.drafter_forwards:
             return
         self.calibration.update(step.confidences, step.proposed, step.accepted)
-        self.tokens_per_drafted_step.add(step.accepted + 1)
-        self.seconds_per_drafted_step.add(step.draft_seconds + step.other_seconds)
-        plain_seconds = self.costs.step_seconds(1)
-        drafting_rate = self.tokens_per_drafted_step.value / self.seconds_per_drafted_step.value
-        if drafting_rate >= 1.0 / plain_seconds:
+        self.recent_drafted_steps.append((step.accepted + 1, step.draft_seconds + step.other_seconds))
+        if self._drafting_pays():
             self.backoff = 1
         else:  # decode plainly for a while, then probe; wait longer each time a probe loses
             self.plain_steps_left = self.backoff
