@@ -166,16 +166,20 @@ def train_mtp(tokenizer: PreTrainedTokenizerFast, work_dir: Path, loop: LoopConf
 def export_bf16(model_class: type[PreTrainedModel], source: Path, destination: Path) -> None:
     """Re-save a trained model as bf16 safetensors (the shipped form): weights and config only.
 
-    A drafter's remote code and model card are left out, so the package holds one copy of its runtime; the library
-    loads the shipped folder through its registered classes, and `save_pretrained` from there writes a complete,
-    publishable folder (tests/test_hub_path.py loads one in a process without the library).
+    A drafter's remote code, model card and draft settings (the defaults) are left out, so the package holds one
+    copy of its runtime; the library loads the shipped folder through its registered classes, and `save_pretrained`
+    from there writes a complete, publishable folder (tests/test_hub_path.py loads one in a process without the
+    library).
     """
     model = model_class.from_pretrained(source, dtype=torch.float32).to(torch.bfloat16)
     if destination.exists():
         shutil.rmtree(destination)
     model.save_pretrained(destination, safe_serialization=True)
-    for generated in [*destination.glob("*.py"), destination / "README.md"]:
-        generated.unlink(missing_ok=True)
+    generated = [*destination.glob("*.py"), destination / "README.md"]
+    if not model.can_generate():  # a drafter: its draft settings are the class defaults
+        generated.append(destination / "generation_config.json")
+    for path in generated:
+        path.unlink(missing_ok=True)
     config_file = destination / "config.json"
     config = json.loads(config_file.read_text())
     config.pop("auto_map", None)
