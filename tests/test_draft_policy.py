@@ -53,7 +53,7 @@ def test_step_costs_are_flat_from_one_length_and_a_line_from_several():
 
 
 def test_choose_truncates_where_more_drafts_cost_more_than_they_bring():
-    policy = AdaptiveDraftPolicy(max_draft=4, sequential=False)
+    policy = AdaptiveDraftPolicy(max_draft=4)
     confident, unsure = [0.95, 0.95, 0.05, 0.05], [0.05] * 4
     assert policy.choose(confident) == 4  # nothing timed yet: verify everything
     policy.costs.record(_step(proposed=4, accepted=2, seconds=1.0, draft=0.2))
@@ -64,7 +64,7 @@ def test_choose_truncates_where_more_drafts_cost_more_than_they_bring():
 
 
 def test_losing_drafts_back_off_fourfold_and_a_winning_probe_resumes_drafting():
-    policy = AdaptiveDraftPolicy(max_draft=7, sequential=False)
+    policy = AdaptiveDraftPolicy(max_draft=7)
     policy.record(_step(proposed=0, accepted=0, seconds=1.0))  # a plain step: 1 token per second
     pattern = []
     for _ in range(160):
@@ -87,7 +87,7 @@ def test_losing_drafts_back_off_fourfold_and_a_winning_probe_resumes_drafting():
 
 
 def test_sequential_drafting_stops_when_the_next_draft_does_not_pay():
-    policy = AdaptiveDraftPolicy(max_draft=4, sequential=True)
+    policy = AdaptiveDraftPolicy(max_draft=4)
     assert policy.keep_drafting([0.01])  # nothing timed yet: draft on
     policy.costs.record(_step(proposed=1, accepted=1, seconds=1.0, draft=0.5))  # a drafter step costs 0.5 s
     policy.costs.record(_step(proposed=0, accepted=0, seconds=1.0))
@@ -98,10 +98,10 @@ def test_sequential_drafting_stops_when_the_next_draft_does_not_pay():
 
 
 def test_constant_policy_always_drafts_everything():
-    policy = make_draft_policy("constant", max_draft=3, sequential=True)
+    policy = make_draft_policy("constant", max_draft=3)
     assert type(policy) is ConstantDraftPolicy
     assert policy.should_draft() and policy.keep_drafting([0.0]) and policy.choose([0.0, 0.0]) == 2
-    assert type(make_draft_policy("adaptive", 3, sequential=False)) is AdaptiveDraftPolicy
+    assert type(make_draft_policy("adaptive", 3)) is AdaptiveDraftPolicy
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,8 @@ class ConstantDraftPolicy:
 class AdaptiveDraftPolicy(ConstantDraftPolicy):
     """Chooses each step's draft length for the most expected tokens per second (see the module docstring).
 
-    `sequential`: the drafter spends one forward per drafted token (native MTP), so drafting can stop early.
+    Block drafters draft the whole block in one forward and `choose` how many drafts to verify; a drafter that spends
+    one forward per token (native MTP) also asks `keep_drafting` after each one.
     """
 
     schedule = ADAPTIVE_SCHEDULE
@@ -152,9 +153,8 @@ class AdaptiveDraftPolicy(ConstantDraftPolicy):
     backoff_growth = 4  # each losing probe: 1, 4, 16, 64 plain steps before the next
     drafting_window = 16  # the drafted steps whose tokens and seconds decide whether drafting pays
 
-    def __init__(self, max_draft: int, sequential: bool):
+    def __init__(self, max_draft: int):
         super().__init__(max_draft)
-        self.sequential = sequential
         self.calibration = AcceptanceCalibration()
         self.costs = StepCosts()
         self.recent_drafted_steps: deque[tuple[int, float]] = deque(maxlen=self.drafting_window)
@@ -220,7 +220,7 @@ class AdaptiveDraftPolicy(ConstantDraftPolicy):
             self.backoff = min(self.backoff_growth * self.backoff, self.max_backoff)
 
 
-def make_draft_policy(schedule: str, max_draft: int, sequential: bool) -> ConstantDraftPolicy:
+def make_draft_policy(schedule: str, max_draft: int) -> ConstantDraftPolicy:
     if schedule == ADAPTIVE_SCHEDULE:
-        return AdaptiveDraftPolicy(max_draft, sequential)
+        return AdaptiveDraftPolicy(max_draft)
     return ConstantDraftPolicy(max_draft)

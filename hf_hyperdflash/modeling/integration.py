@@ -249,7 +249,6 @@ def speculative_generate(
         proposer = BlockProposer(drafter, target)
     else:
         proposer = MTPProposer(drafter, target, draft_length)
-    sequential = isinstance(proposer, MTPProposer)
 
     cache = cache if cache is not None else target.make_cache(max_draft=draft_length)
     streamer = bound.arguments.get("streamer")
@@ -262,7 +261,7 @@ def speculative_generate(
 
         def candidate_generator(generation_config, logits_processor, **_) -> SpeculativeCandidateGenerator:
             pick = TokenPicker(logits_processor, bool(generation_config.do_sample))
-            policy = make_draft_policy(schedule, draft_length, sequential)
+            policy = make_draft_policy(schedule, draft_length)
             return SpeculativeCandidateGenerator(
                 proposer, capture, draft_length, generation_config.max_length, pick, stats, timer, policy
             )
