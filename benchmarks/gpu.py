@@ -30,6 +30,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.demo import compare_decoding
+from hf_hyperdflash.modeling.draft_policy import ADAPTIVE_SCHEDULE, SCHEDULES
 from hf_hyperdflash.modeling.targets import get_target_adapter
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--no-split", action="store_true", help="skip the split-target setting")
-    parser.add_argument("--schedules", nargs="+", choices=["adaptive", "constant"], default=["adaptive"])
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=[ADAPTIVE_SCHEDULE])
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("No CUDA device here; run with --device cpu for the small CPU version.")
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=dtype).to(args.device).eval()
     drafter = load_drafter_for(target, dtype)
-    names = ["single" if schedule == "adaptive" else f"single-{schedule}" for schedule in args.schedules]
+    names = ["single" if schedule == ADAPTIVE_SCHEDULE else f"single-{schedule}" for schedule in args.schedules]
     for name, schedule in zip(names, args.schedules, strict=True):
         drafter.generation_config.num_assistant_tokens_schedule = schedule
         report[name] = {"schedule": schedule, **measure(target, drafter, prompts, **timing)}

@@ -94,13 +94,14 @@ class OracleProposer:
         return random_token if corrupt else int(self.reference[0, position])
 
     def propose(self, features, positions, input_ids, num_tokens, pick, keep_drafting):
-        from .modeling.candidate_generator import _pick_sequentially
+        from .modeling.candidate_generator import Draft, _pick_sequentially, draft_confidences
 
         start = input_ids.shape[1]
         hints = torch.tensor([self._hint(start + k) for k in range(num_tokens)])
         probs = torch.full((1, num_tokens, self.vocab_size), 0.3 / self.vocab_size)
         probs[0, torch.arange(num_tokens), hints] += 0.7
-        return *_pick_sequentially(input_ids, probs.log().to(input_ids.device), pick), 1
+        tokens, logits = _pick_sequentially(input_ids, probs.log().to(input_ids.device), pick)
+        return Draft(tokens, logits, draft_confidences(logits), drafter_forwards=1)
 
 
 @contextmanager

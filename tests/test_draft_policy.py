@@ -153,3 +153,11 @@ def test_draft_settings_survive_save_and_load(tiny_target, tmp_path):
     assert loaded.generation_config.num_assistant_tokens == 3
     (tmp_path / "generation_config.json").unlink()  # a folder saved before the file existed: the defaults
     assert AutoModel.from_pretrained(tmp_path).generation_config.num_assistant_tokens_schedule == "adaptive"
+
+
+def test_eval_options_offer_the_runtimes_schedules():
+    """`hyperdflash eval --help` names the schedules without importing torch, so it keeps its own copy."""
+    from hf_hyperdflash.evaluation import options
+    from hf_hyperdflash.modeling.draft_policy import SCHEDULES
+
+    assert options.SCHEDULES == SCHEDULES

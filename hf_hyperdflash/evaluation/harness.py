@@ -101,7 +101,7 @@ def build_methods(
     drafter_dirs: dict[str, Path],
     draft_tokens: dict[str, int] | None = None,
     dtype: torch.dtype = torch.float32,
-    schedules: Sequence[str] = ("adaptive",),
+    schedules: Sequence[str] = (ADAPTIVE_SCHEDULE,),
     untrained: bool = False,
 ) -> list[Method]:
     """Plain decoding, native MTP at each depth in `mtp_steps`, the named drafters (in the given order), then an

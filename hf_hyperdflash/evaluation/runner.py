@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..decoding import decoding_settings
-from ..modeling.generation_stats import acceptance_per_position, mean_accepted_length
+from ..modeling.generation_stats import acceptance_per_position, mean_accepted_length, per_decoding_step
 from ..modeling.step_timer import synchronized_clock
 
 LATENCY_PARTS = ("draft", "verify", "rollback")
@@ -95,12 +95,12 @@ class MethodResult:
     @property
     def drafted_per_step(self) -> float:
         """Drafts sent to verification per decoding step, skipped steps included (as 0)."""
-        return sum(self.proposed_per_step) / self.decoding_steps if self.decoding_steps else math.nan
+        return per_decoding_step(sum(self.proposed_per_step), self.decoding_steps)
 
     @property
     def skipped_share(self) -> float:
         """Share of decoding steps that skipped drafting."""
-        return self.skipped_steps / self.decoding_steps if self.decoding_steps else math.nan
+        return per_decoding_step(self.skipped_steps, self.decoding_steps)
 
     @property
     def forwards_per_token(self) -> float:

@@ -8,6 +8,7 @@ one non-causal forward per block) or `MTPProposer` (native MTP: one step per dra
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -54,6 +55,17 @@ def draft_confidences(logits: torch.Tensor) -> list[float]:
     return logits.softmax(dim=-1).amax(dim=-1).flatten().tolist()
 
 
+@dataclass
+class Draft:
+    """One proposal: the drafted tokens [1, k], the processed logits they were picked from [1, k, V], the drafter's
+    confidence at each position (`draft_confidences`), and the drafter forwards it took."""
+
+    tokens: torch.LongTensor
+    logits: torch.Tensor
+    confidences: list[float]
+    drafter_forwards: int
+
+
 class BlockProposer:
     """HyperDFlash / vanilla DFlash: one non-causal drafter forward proposes a whole block."""
 
@@ -74,8 +86,8 @@ class BlockProposer:
         num_tokens: int,
         pick: TokenPicker,
         keep_drafting: Callable[[list[float]], bool],
-    ) -> tuple[torch.LongTensor, torch.Tensor, int]:
-        """(drafted tokens, the processed logits they were picked from, drafter forwards spent)."""
+    ) -> Draft:
+        """The whole block in one forward (`keep_drafting` is for drafters that spend a forward per token)."""
         device, dtype = self.drafter.device, self.drafter.dtype
         anchor_embeds = self.target.embed(input_ids[:, -1:])
         anchor_position = torch.full((1, 1), input_ids.shape[1] - 1, device=device)
@@ -87,7 +99,8 @@ class BlockProposer:
             cache=self.cache,
         ).last_hidden_state
         logits = self.target.logits(hidden[:, 1 : 1 + num_tokens])
-        return *_pick_sequentially(input_ids, logits.to(input_ids.device), pick), 1
+        tokens, processed = _pick_sequentially(input_ids, logits.to(input_ids.device), pick)
+        return Draft(tokens, processed, draft_confidences(processed), drafter_forwards=1)
 
 
 class MTPProposer:
@@ -121,7 +134,7 @@ class MTPProposer:
         num_tokens: int,
         pick: TokenPicker,
         keep_drafting: Callable[[list[float]], bool],
-    ) -> tuple[torch.LongTensor, torch.Tensor, int]:
+    ) -> Draft:
         """Up to `num_tokens` drafts, one step each, stopping once `keep_drafting(confidences so far)` says so."""
         # Residual at position i pairs with the token at i + 1 (the newest one is the anchor).
         logits, residual = self._step(input_ids[:, positions[0] + 1], features, positions + 1)
@@ -137,7 +150,7 @@ class MTPProposer:
             logits, residual = self._step(token, residual, next_position)
         depth = len(all_logits)
         self.cache.crop(-(depth - 1))  # the deeper steps saw unverified tokens; keep only real context
-        return candidates[:, input_ids.shape[1] :], torch.stack(all_logits, dim=1), depth
+        return Draft(candidates[:, input_ids.shape[1] :], torch.stack(all_logits, dim=1), confidences, depth)
 
 
 def _pick_sequentially(
@@ -232,14 +245,14 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         self.pending = None
         positions = torch.arange(input_ids.shape[1] - 1 - context.shape[1], input_ids.shape[1] - 1)[None]
         with self.timer.timed("draft"):
-            tokens, logits, self.drafter_forwards = self.proposer.propose(
+            draft = self.proposer.propose(
                 context, positions.to(input_ids.device), input_ids, num_tokens, self.pick, self.policy.keep_drafting
             )
-            self.confidences = draft_confidences(logits)
+        self.confidences, self.drafter_forwards = draft.confidences, draft.drafter_forwards
         self.last_proposed = self.policy.choose(self.confidences)
         if not self.last_proposed:
             return input_ids, None
-        tokens, logits = tokens[:, : self.last_proposed], logits[:, : self.last_proposed]
+        tokens, logits = draft.tokens[:, : self.last_proposed], draft.logits[:, : self.last_proposed]
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):

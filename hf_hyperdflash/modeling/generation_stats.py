@@ -27,6 +27,11 @@ def acceptance_per_position(accepted_per_step: Sequence[int], proposed_per_step:
     return rates
 
 
+def per_decoding_step(count: float, decoding_steps: int) -> float:
+    """`count` (drafts sent to verification, or skipped steps) per decoding step (NaN with none)."""
+    return count / decoding_steps if decoding_steps else math.nan
+
+
 @dataclass(repr=False)
 class GenerationStats:
     """Per-step record of one call; `drafter.last_generation_stats` after `generate(..., assistant_model=drafter)`.
@@ -58,12 +63,12 @@ class GenerationStats:
     @property
     def mean_drafted_tokens(self) -> float:
         """Drafts sent to verification per decoding step (skipped steps count as 0)."""
-        return sum(self.proposed_per_step) / self.decoding_steps if self.decoding_steps else math.nan
+        return per_decoding_step(sum(self.proposed_per_step), self.decoding_steps)
 
     @property
     def skipped_share(self) -> float:
         """Share of decoding steps that skipped drafting."""
-        return self.skipped_steps / self.decoding_steps if self.decoding_steps else math.nan
+        return per_decoding_step(self.skipped_steps, self.decoding_steps)
 
     @property
     def mean_accepted_length(self) -> float:
