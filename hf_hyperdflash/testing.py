@@ -1,4 +1,4 @@
-"""Tiny DeepSeek-V4 targets for tests and CPU benchmarks.
+"""Tiny mHC targets (DeepSeek-V4, HY-V4) for tests and CPU benchmarks.
 
 The stock `DeepseekV4ForCausalLM` is used unchanged; only the config is shrunk. The layer schedule
 covers every attention type (sliding, CSA with its indexer, HCA) and both MoE kinds (hash, top-k),
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, HYV4Config, HYV4ForCausalLM
 
 
 def tiny_deepseek_v4_config(**overrides) -> DeepseekV4Config:
@@ -71,6 +71,40 @@ def tiny_deepseek_v4(seed: int = 0, **overrides) -> DeepseekV4ForCausalLM:
     model = DeepseekV4ForCausalLM(tiny_deepseek_v4_config(**overrides)).float().eval()
     randomize_hash_table(model, seed)
     return model
+
+
+def tiny_hy_v4(seed: int = 0, **overrides) -> HYV4ForCausalLM:
+    """A randomly initialised tiny stock HY-V4 (3 DSA layers, the last sharing the previous layer's top-k; a dense
+    MLP then MoE), fp32 eval mode, 2 indexer heads keeping 4 of the cached tokens."""
+    settings = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_topk=4,
+        index_head_dim=16,
+        index_n_heads=2,
+        hc_mult=4,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    return HYV4ForCausalLM(HYV4Config(**settings)).float().eval()
 
 
 class OracleProposer:

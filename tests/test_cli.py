@@ -168,7 +168,7 @@ def test_wrong_target_and_tokenizer_paths_are_named(models, tmp_path, capsys):
     cases = {
         (missing, None): f"No target at {missing}: the path does not exist. Check it, or pass a Hub id (org/name).",
         (models["empty"], None): f"{models['empty']} holds no model (no config.json); pass the folder of a saved "
-        "DeepSeek-V4 target, or a Hub id.",
+        "mHC target, or a Hub id.",
         (models["drafter"], None): f"{models['drafter']} holds a drafter ('hyperdflash'), not a target; pass the "
         "target model's folder.",
         (models["target"], missing): f"No tokenizer at {missing}: the path does not exist. Check it, or pass a Hub "

@@ -124,7 +124,6 @@ def test_drafter_for_another_target_of_the_same_width_warns(target, drafter):
         ({"prompt_lookup_num_tokens": 3}, "two ways to draft; pass one of them"),
         ({"guidance_scale": 1.5}, "guidance_scale=1.5 cannot be combined with a speculative drafter"),
         ({"cache_implementation": "static"}, "cache_implementation='static' cannot be combined"),
-        ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True cannot be combined"),
     ],
 )
 def test_conflicting_options_are_refused_before_any_forward(target, drafter, option, message):
@@ -152,13 +151,6 @@ def test_dynamic_cache_implementation_is_honoured(target, drafter):
 def test_non_rewindable_cache(target, drafter):
     with pytest.raises(ValueError, match="needs a rewindable target cache, got DynamicCache"):
         _speculative(target, drafter, past_key_values=DynamicCache())
-
-
-def test_padded_attention_mask(target, drafter):
-    attention_mask = torch.ones_like(PROMPT)
-    attention_mask[0, 0] = 0
-    with pytest.raises(ValueError, match="attention_mask has padding"):
-        _speculative(target, drafter, attention_mask=attention_mask)
 
 
 def _saved_drafter(kind: str, target, directory) -> str:

@@ -130,26 +130,67 @@ def test_bf16_mtp_drafter_loaded_like_the_shipped_one(target, tmp_path):
     assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter), plain)
 
 
-def test_returned_scores_logits_and_hidden_states_match_plain_decoding(target, drafters):
-    """Per generated token, in plain decoding's shapes: mHC residuals [1, 1, hc, D], the final state [1, 1, D]."""
-    prompt = _prompt(13, seed=9)
-    options = dict(max_new_tokens=14, do_sample=False, return_dict_in_generate=True)
-    options |= dict(output_scores=True, output_logits=True, output_hidden_states=True)
-    plain = target.generate(prompt, **options)
-    with oracle_drafting(OracleProposer(512, plain.sequences, corruption=0.15, seed=2)):
-        speculative = target.generate(prompt, assistant_model=drafters["hyperdflash"], **options)
-    assert max(drafters["hyperdflash"].last_generation_stats.accepted_per_step) >= 2
+def _assert_same_per_step_outputs(speculative, plain, new_tokens: int) -> None:
+    """Scores and logits per token; hidden states and attentions per step, layer by layer, in the same shapes."""
     assert torch.equal(speculative.sequences, plain.sequences)
-    for name in ("scores", "logits"):
-        assert len(getattr(speculative, name)) == len(getattr(plain, name)) == 14
-        for ours, theirs in zip(getattr(speculative, name), getattr(plain, name), strict=True):
-            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
-    assert len(speculative.hidden_states) == len(plain.hidden_states) == 14
-    for step, (ours, theirs) in enumerate(zip(speculative.hidden_states, plain.hidden_states, strict=True)):
-        assert [t.shape for t in ours] == [t.shape for t in theirs], step
-        for layer_ours, layer_theirs in zip(ours, theirs, strict=True):
-            torch.testing.assert_close(layer_ours, layer_theirs, rtol=1e-4, atol=1e-4)
+    for name in ("scores", "logits", "hidden_states", "attentions"):
+        ours, theirs = getattr(speculative, name), getattr(plain, name)
+        assert len(ours) == len(theirs) == new_tokens, name
+        for step, (step_ours, step_theirs) in enumerate(zip(ours, theirs, strict=True)):
+            if name in ("scores", "logits"):
+                step_ours, step_theirs = (step_ours,), (step_theirs,)
+            assert [t.shape for t in step_ours] == [t.shape for t in step_theirs], (name, step)
+            for layer_ours, layer_theirs in zip(step_ours, step_theirs, strict=True):
+                torch.testing.assert_close(layer_ours, layer_theirs, rtol=1e-4, atol=1e-4)
+
+
+ALL_OUTPUTS = dict(
+    do_sample=False,
+    return_dict_in_generate=True,
+    output_scores=True,
+    output_logits=True,
+    output_hidden_states=True,
+    output_attentions=True,
+)
+
+
+def test_returned_scores_logits_hidden_states_and_attentions_match_plain_decoding(target, drafters):
+    """Per generated token, in plain decoding's shapes: mHC residuals [1, 1, hc, D], the final state [1, 1, D],
+    attention rows over the sliding window then the compressed entries [1, H, 1, keys]."""
+    prompt = _prompt(13, seed=9)
+    plain = target.generate(prompt, max_new_tokens=14, **ALL_OUTPUTS)
+    with oracle_drafting(OracleProposer(512, plain.sequences, corruption=0.15, seed=2)):
+        speculative = target.generate(
+            prompt, max_new_tokens=14, assistant_model=drafters["hyperdflash"], **ALL_OUTPUTS
+        )
+    assert max(drafters["hyperdflash"].last_generation_stats.accepted_per_step) >= 2
+    _assert_same_per_step_outputs(speculative, plain, new_tokens=14)
     assert plain.hidden_states[1][0].shape == (1, 1, target.config.hc_mult, target.config.hidden_size)
+    compressed = 14 // target.config.compress_rates["heavily_compressed_attention"]  # after the first new token
+    window = target.config.sliding_window
+    assert plain.attentions[1][2].shape == (1, target.config.num_attention_heads, 1, window + compressed)
+
+
+@pytest.mark.parametrize("kind", ["hyperdflash", "mtp"])
+def test_per_step_outputs_match_plain_decoding_on_a_continued_cache(target, drafters, kind):
+    """The first step of a continued call covers only the new tokens, then one step per token, as plain decoding."""
+    prompt = _prompt(14, seed=23)
+    options = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    first_plain = target.generate(prompt, **options)
+    first_speculative = target.generate(prompt, assistant_model=drafters[kind], **options)
+    second_prompt = torch.cat([first_plain.sequences, _prompt(9, seed=24)], dim=1)
+    plain_cache, speculative_cache = (getattr(o, CACHE_ARGUMENT) for o in (first_plain, first_speculative))
+    plain = target.generate(second_prompt, max_new_tokens=12, **ALL_OUTPUTS, **{CACHE_ARGUMENT: plain_cache})
+    with oracle_drafting(OracleProposer(512, plain.sequences, corruption=0.15, seed=4)):
+        speculative = target.generate(
+            second_prompt,
+            max_new_tokens=12,
+            assistant_model=drafters[kind],
+            **ALL_OUTPUTS,
+            **{CACHE_ARGUMENT: speculative_cache},
+        )
+    _assert_same_per_step_outputs(speculative, plain, new_tokens=12)
+    assert plain.attentions[0][0].shape[-2] == 10  # the 9 new tokens and the last token of the first reply
 
 
 def test_windowed_drafter_is_lossless_at_long_context_with_a_bounded_cache(target, monkeypatch):
@@ -274,6 +315,7 @@ def test_stateful_guard_is_lifted_only_during_the_call(target, drafters):
     target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=drafters["hyperdflash"])
     assert "_is_stateful" not in vars(target) and type(target)._is_stateful is True
     assert "_get_candidate_generator" not in vars(target)
-    stock_assistant = tiny_deepseek_v4(seed=3)
-    with pytest.raises(ValueError, match="stateful"):
-        target.generate(prompt, max_new_tokens=4, assistant_model=stock_assistant)
+    stock_assistant = tiny_deepseek_v4(seed=3)  # transformers' own assisted decoding: exact once the package loads
+    assisted = target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=stock_assistant)
+    assert torch.equal(assisted, target.generate(prompt, max_new_tokens=4, do_sample=False))
+    assert "_is_stateful" not in vars(target) and "_get_candidate_generator" not in vars(target)

@@ -2,15 +2,15 @@
 
 With 2 indexer heads (the upstream V4 tester's setting) many index scores are exactly 0.0 (ReLU), and stock
 `torch.topk` picks among them differently in a one-token forward and in a multi-token verify forward. The package
-installs a scorer whose ties go to the earliest entry in every forward (`indexer_ties.py`).
+makes every indexer top-k give ties to the earliest entry, in every forward (`indexer_ties.py`).
 """
 
 import pytest
 import torch
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
 
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
-from hf_hyperdflash.modeling.indexer_ties import ranks_with_ties_by_position
+from hf_hyperdflash.modeling.indexer_ties import topk_ties_by_position
 from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
 
 SEEDS = range(10)
@@ -18,11 +18,12 @@ NEW_TOKENS = 24
 PROMPT_TOKENS = 40  # past the sliding window (8) and the indexer budget (index_topk 4 of 40 / 4 entries)
 
 
-def test_ranks_keep_the_score_order_and_put_earlier_entries_first_among_ties():
-    scores = torch.tensor([[[3.0, 0.0, 0.0, 5.0, 0.0, 3.0]]])
-    ranks = ranks_with_ties_by_position(scores)
-    assert ranks.tolist() == [[[-1.0, -3.0, -4.0, -0.0, -5.0, -2.0]]]
-    assert ranks.topk(4, dim=-1).indices.tolist() == [[[3, 0, 5, 1]]]
+def test_topk_keeps_the_score_order_and_puts_earlier_entries_first_among_ties():
+    scores = torch.tensor([[[3.0, 0.0, 0.0, 5.0, 0.0, 3.0]], [[0.0, 0.0, 0.0, 0.0, 1.0, float("-inf")]]])
+    values, indices = topk_ties_by_position(scores, 4, dim=-1)
+    assert indices.tolist() == [[[3, 0, 5, 1]], [[4, 0, 1, 2]]]
+    assert values.tolist() == [[[5.0, 3.0, 3.0, 0.0]], [[1.0, 0.0, 0.0, 0.0]]]
+    assert torch.equal(values, scores.topk(4, dim=-1).values)  # the same values as stock top-k
 
 
 def _decode_pairs(kind: str):
@@ -52,5 +53,5 @@ def test_greedy_speculation_matches_plain_decoding_with_two_indexer_heads(kind):
 
 def test_stock_tie_breaking_makes_verification_differ(monkeypatch):
     """Negative control: with the stock scorer the same runs differ from plain decoding (transformers 5.23/5.24)."""
-    monkeypatch.setattr(DeepseekV4IndexerScorer, "forward", DeepseekV4IndexerScorer.forward.__wrapped__)
+    monkeypatch.setattr(DeepseekV4Indexer, "forward", DeepseekV4Indexer.forward.__wrapped__)
     assert any(not torch.equal(plain, speculative) for plain, speculative in _decode_pairs("hyperdflash"))

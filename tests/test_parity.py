@@ -61,6 +61,8 @@ EXACT = {
     "use_cache": lambda plain: {"use_cache": True},
     "cache_implementation": lambda plain: {"cache_implementation": "dynamic"},
     "return_dict_in_generate": lambda plain: {"return_dict_in_generate": True},
+    "remove_invalid_values": lambda plain: {"remove_invalid_values": True},
+    "attention_mask with zeros": lambda plain: {"attention_mask": torch.tensor([[1, 0, 0] + [1] * 9])},
 }
 
 REFUSED = {
@@ -74,10 +76,8 @@ REFUSED = {
     "use_mtp": ({"use_mtp": True}, "two ways to draft"),
     "assistant_ensemble_weight": ({"assistant_ensemble_weight": 0.5}, "mixes the drafter's distribution"),
     "guidance_scale": ({"guidance_scale": 1.5}, "guidance_scale=1.5"),
-    "output_attentions": ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True"),
     "cache_implementation=static": ({"cache_implementation": "static"}, "cache_implementation='static'"),
     "cache (not rewindable)": ({"past_key_values": DynamicCache()}, "rewindable target cache"),
-    "attention_mask with zeros": ({"attention_mask": torch.tensor([[1, 0, 0] + [1] * 9])}, "has padding"),
     "batch size > 1": ({"input_ids": PROMPT.repeat(2, 1)}, "one prompt at a time"),
 }
 
@@ -140,7 +140,7 @@ def test_the_documented_table_is_the_tested_one():
     documented = {name: verdict for name, verdict in rows}
     tested = {name: "exact" for name in EXACT} | {name: "refused" for name in REFUSED}
     covered_elsewhere = {"stop_strings", "stopping_criteria", "streamer", "output_scores", "output_logits"}
-    covered_elsewhere |= {"output_hidden_states", "cache (rewindable, continued)"}
+    covered_elsewhere |= {"output_hidden_states", "output_attentions", "cache (rewindable, continued)"}
     assert {n for n, v in documented.items() if n not in covered_elsewhere} == set(tested)
     assert all(documented[name] == verdict for name, verdict in tested.items())
     assert all(documented[name] == "exact" for name in covered_elsewhere)

@@ -23,13 +23,14 @@ from transformers import DynamicCache, GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4Attention,
+    DeepseekV4HCACompressor,
     DeepseekV4HyperHead,
-    DeepseekV4Indexer,
-    DeepseekV4IndexerScorer,
     DeepseekV4PreTrainedModel,
 )
 
 from hf_hyperdflash.modeling import candidate_generator, transformers_compat
+from hf_hyperdflash.modeling.indexer_ties import INDEXER_CLASSES
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
@@ -176,21 +177,48 @@ def test_assisted_decoding_rewinds_through_the_cache_api(name):
     assert _calls(ASSISTED_DECODING, name)
 
 
-def test_indexer_scores_feed_only_its_top_k():
-    """`indexer_ties` replaces the scorer's output by ranks; that is exact only while the indexer uses the scores for
-    nothing but masking and `topk` (a version that also weighted attention by them must fail here)."""
-    forward = ast.parse(textwrap.dedent(inspect.getsource(DeepseekV4Indexer.forward)))
-    (assignment,) = [
-        node for node in ast.walk(forward) if isinstance(node, ast.Assign) and _calls(node.value, "scorer")
-    ]
-    name = assignment.targets[0].id
-    uses = [node for node in ast.walk(forward) if isinstance(node, ast.Name) and node.id == name]
-    users = {_called_name(call) for call in ast.walk(forward) if isinstance(call, ast.Call)}
-    assert "topk" in users and "masked_fill" in users
-    methods = {
-        node.attr
-        for node in ast.walk(forward)
-        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == name
-    }
-    assert methods <= {"topk", "masked_fill", "shape", "device"} and len(uses) >= 2
-    assert getattr(DeepseekV4IndexerScorer.forward, "_hyperdflash_ties_by_position", False)  # installed on import
+def test_indexers_select_entries_only_with_topk():
+    """`indexer_ties` replaces the `topk` an indexer's forward calls; that covers its selection only while nothing
+    else in the forward picks entries (a version that sorted or arg-maxed the scores must fail here)."""
+    for indexer in INDEXER_CLASSES:
+        forward = ast.parse(textwrap.dedent(inspect.getsource(indexer.forward.__wrapped__)))
+        called = {_called_name(call) for call in ast.walk(forward) if isinstance(call, ast.Call)}
+        assert "topk" in called, indexer.__name__
+        assert not called & {"sort", "argsort", "argmax", "kthvalue", "multinomial"}, indexer.__name__
+        assert getattr(indexer.forward, "_hyperdflash_ties_by_position", False)  # installed on import
+
+
+def test_attention_calls_its_compressor_with_positional_arguments():
+    """`compressed_visibility` reads (hidden_states, q_residual, position_ids, cache, layer_idx) from the args."""
+    forward = ast.parse(textwrap.dedent(inspect.getsource(DeepseekV4Attention.forward)))
+    (call,) = _calls(forward, "compressor")
+    names = [getattr(arg, "id", None) for arg in call.args[:4]]
+    assert names == ["hidden_states", "q_residual", "position_ids", transformers_compat.CACHE_ARGUMENT]
+    assert len(call.args) == 5 and not call.keywords
+
+
+def test_one_token_hca_forward_sees_every_compressed_entry_and_longer_ones_mask_by_position():
+    """The two HCA behaviours `compressed_visibility` reconciles in verify forwards when position ids lag."""
+    model = tiny_deepseek_v4(seed=0)
+    layer_idx = model.config.layer_types.index("heavily_compressed_attention")
+    compressor = model.model.layers[layer_idx].self_attn.compressor
+    assert isinstance(compressor, DeepseekV4HCACompressor)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.arange(3, 19)[None], **{transformers_compat.CACHE_ARGUMENT: cache})  # 16 tokens: 2 HCA entries
+        hidden = torch.randn(1, 1, model.config.hidden_size)
+        q_residual = torch.randn(1, 1, model.config.q_lora_rank)
+        _, one_token_bias = compressor(hidden, q_residual, torch.tensor([[3]]), cache, layer_idx)
+        lagging = torch.tensor([[4, 5]])  # positions 4, 5: before the first HCA window closes
+        kv, bias = compressor(hidden.expand(1, 2, -1), q_residual.expand(1, 2, -1), lagging, cache, layer_idx)
+    assert one_token_bias is None and kv.shape[2] == 2
+    assert (bias == float("-inf")).all()
+
+
+def test_assisted_decoding_splits_attentions_with_the_decoder_attention_flag():
+    """`output_split.split_per_token` tells attentions from hidden states by `is_decoder_attention`."""
+    calls = _calls(ASSISTED_DECODING, "_split_model_outputs")
+    attention_calls = [call for call in calls if "is_decoder_attention" in _keywords(call)]
+    assert attention_calls and all(len(call.args) == 4 for call in calls)
+    assert all(_keywords(call) <= {"is_decoder_attention"} for call in calls)
+    assert any(getattr(call.args[1], "attr", None) == "attentions" for call in attention_calls)

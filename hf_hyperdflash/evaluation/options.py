@@ -88,7 +88,9 @@ def _dataset(text: str) -> tuple[str, str | None]:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every `hyperdflash eval` option, grouped."""
     models = parser.add_argument_group("models")
-    models.add_argument("--target", help="Path or Hub id of the DeepSeek-V4 target. Default: the shipped reference.")
+    models.add_argument(
+        "--target", help="Path or Hub id of the mHC target (DeepSeek-V4 or HY-V4). Default: the shipped reference."
+    )
     models.add_argument("--tokenizer", help="Tokenizer path or Hub id. Default: the reference's, or the target's.")
     models.add_argument(
         "--mtp",

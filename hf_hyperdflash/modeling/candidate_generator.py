@@ -20,7 +20,7 @@ from .draft_policy import ConstantDraftPolicy, StepRecord
 from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
 from .step_timer import IterationTiming, StepTimer
-from .target_deepseek_v4 import DeepseekV4Target
+from .target_base import HyperConnectionTarget
 from .transformers_compat import CACHE_ARGUMENT
 
 
@@ -69,7 +69,7 @@ class Draft:
 class BlockProposer:
     """HyperDFlash / vanilla DFlash: one non-causal drafter forward proposes a whole block."""
 
-    def __init__(self, drafter: PreTrainedModel, target: DeepseekV4Target):
+    def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget):
         self.drafter, self.target = drafter, target
         self.cache = drafter.make_context_cache()
 
@@ -108,7 +108,7 @@ class MTPProposer:
 
     feature_layers = None
 
-    def __init__(self, drafter: PreTrainedModel, target: DeepseekV4Target, num_draft_tokens: int):
+    def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget, num_draft_tokens: int):
         self.drafter, self.target = drafter, target
         self.cache = RewindableDeepseekV4Cache(config=drafter.config, max_draft=num_draft_tokens)
 

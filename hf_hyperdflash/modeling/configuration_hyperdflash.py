@@ -4,7 +4,7 @@ from transformers import PreTrainedConfig
 
 REDUCERS = ("inherited_gate", "dense")
 CONDITIONINGS = ("pre_collapse", "intermediate")
-TARGET_MODEL_TYPES = ("deepseek_v4",)
+TARGET_MODEL_TYPES = ("deepseek_v4", "hy_v4")
 # What `from_target` (and so `hyperdflash train`) gives a new drafter: measured on the reference pair, every window
 # from 64 to 1,024 beats the whole context on long conversations and 512 also edges it on the main prompts
 # (docs/results.md, benchmarks/context_window_tau.py). A config without the field (saved before it existed) keeps

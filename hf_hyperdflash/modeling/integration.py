@@ -32,10 +32,10 @@ from .configuration_hyperdflash import HyperDFlashConfig
 from .draft_policy import SCHEDULES, make_draft_policy
 from .generation_stats import GenerationStats
 from .indexer_ties import install_deterministic_indexer
-from .output_split import hidden_states_split_per_token
+from .output_split import outputs_split_per_token
 from .step_timer import StepTimer, synchronized_clock
 from .stopping import HeldBackStreamer, PerTokenStopping
-from .targets import DeepseekV4Target, get_target_adapter, target_fingerprint
+from .targets import TARGET_FAMILIES, HyperConnectionTarget, get_target_adapter, target_fingerprint
 from .transformers_compat import CACHE_ARGUMENT, pop_user_cache
 
 BLOCK_DRAFTER_TYPES = frozenset({HyperDFlashConfig.model_type})
@@ -49,14 +49,14 @@ def is_speculative_drafter(model: object) -> bool:
     return model_type in BLOCK_DRAFTER_TYPES | MTP_DRAFTER_TYPES
 
 
-def is_rewindable_cache(cache: object) -> bool:
-    """By class name, so a cache made by one copy of the runtime is accepted by another."""
-    return any(klass.__name__ == "RewindableDeepseekV4Cache" for klass in type(cache).__mro__)
-
-
-def check_compatible(target: DeepseekV4Target, drafter: PreTrainedModel) -> None:
-    """Refuse a drafter of another width; warn when it was built for another target of the same width."""
+def check_compatible(target: HyperConnectionTarget, drafter: PreTrainedModel) -> None:
+    """Refuse a drafter of another width or kind; warn when it was built for another target of the same width."""
     config = drafter.config
+    if config.model_type in MTP_DRAFTER_TYPES and not target.has_native_mtp:
+        raise ValueError(
+            f"The native-MTP drafter is DeepSeek-V4's MTP block; a {target.family} target has none. Use a HyperDFlash "
+            "drafter (`HyperDFlashForDrafting.from_target(target)`, then `hyperdflash train`)."
+        )
     for name, expected in (
         ("hidden_size", target.hidden_size),
         ("hc_mult", target.hc_mult),
@@ -163,12 +163,6 @@ def _refuse_incompatible_options(generation_config: GenerationConfig, drafter: P
             f"guidance_scale={generation_config.guidance_scale} cannot be combined with a speculative drafter: its "
             "processor keeps an unconditional context that draft verification would corrupt. Drop `assistant_model`."
         )
-    if generation_config.output_attentions:
-        raise ValueError(
-            "output_attentions=True cannot be combined with a speculative drafter yet: a multi-token verify forward "
-            "lays out DeepSeek-V4's sliding and compressed key entries differently from one-token decoding, so its "
-            "per-step attentions would not be plain decoding's. Drop `assistant_model` to get attentions."
-        )
     if generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(
             f"cache_implementation={generation_config.cache_implementation!r} cannot be combined with a speculative "
@@ -178,10 +172,10 @@ def _refuse_incompatible_options(generation_config: GenerationConfig, drafter: P
 
 
 def _validate_request(
-    target_model: PreTrainedModel, bound: inspect.BoundArguments, kwargs: dict, cache: Cache | None, max_draft: int
+    target: HyperConnectionTarget, bound: inspect.BoundArguments, kwargs: dict, cache: Cache | None, max_draft: int
 ) -> int:
     """Refuse what speculative decoding cannot do exactly, before any work; returns the prompt length."""
-    generation_config, _ = target_model._prepare_generation_config(bound.arguments.get("generation_config"), **kwargs)
+    generation_config, _ = target.model._prepare_generation_config(bound.arguments.get("generation_config"), **kwargs)
     _refuse_incompatible_options(generation_config, bound.arguments.get("assistant_model"))
     inputs = bound.arguments.get("inputs")
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
@@ -195,26 +189,13 @@ def _validate_request(
             f"Speculative decoding through generate() runs one prompt at a time; got a batch of {input_ids.shape[0]}. "
             "Loop over the prompts (batch size 1 each)."
         )
-    attention_mask = kwargs.get("attention_mask")
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("The prompt's attention_mask has padding; pass the unpadded prompt (batch size 1).")
     if cache is None:
         return input_ids.shape[1]
-    if not is_rewindable_cache(cache):
-        raise ValueError(
-            f"Speculative decoding needs a rewindable target cache, got {type(cache).__name__}. "
-            f"Omit `{CACHE_ARGUMENT}` (one is created for you)."
-        )
+    target.check_cache(cache, max_draft)
     if cache.get_seq_length() >= input_ids.shape[1]:
         raise ValueError(
             f"The target cache passed in already holds {cache.get_seq_length()} tokens, but the prompt has "
             f"{input_ids.shape[1]}: pass the whole conversation so far plus at least one new token."
-        )
-    if cache.max_draft < max_draft:
-        raise ValueError(
-            f"The target cache passed in can rewind {cache.max_draft} tokens, but this drafter drafts {max_draft} "
-            f"per step. Build it with RewindableDeepseekV4Cache(config, max_draft={max_draft}), or omit "
-            f"`{CACHE_ARGUMENT}`."
         )
     return input_ids.shape[1]
 
@@ -233,6 +214,43 @@ def _speculative_call(target_model: PreTrainedModel, **methods: Callable) -> Ite
             delattr(target_model, name)
 
 
+def _exact_assisted_call(
+    original_generate: Callable,
+    target: HyperConnectionTarget,
+    bound: inspect.BoundArguments,
+    kwargs: dict,
+    cache: Cache,
+    prompt_length: int,
+    **methods: Callable,
+):
+    """transformers' assisted loop, made to return plain decoding's result on an mHC target: a rewindable cache,
+    stopping criteria per accepted token (the streamer held back one step), per-token hidden states and attentions,
+    verify rows that see what one-token decoding sees. `methods` replace the target's own for this call."""
+    target_model = target.model
+    streamer = bound.arguments.get("streamer")
+    if streamer is not None:
+        streamer = bound.arguments["streamer"] = HeldBackStreamer(streamer)
+    build_stopping_criteria = target_model._get_stopping_criteria
+    stopping: list[PerTokenStopping] = []
+
+    def stopping_criteria(**options):
+        if stopping:  # a generate() nested in this call on the same model (a target that is its own assistant)
+            return build_stopping_criteria(**options)
+        stopping.append(PerTokenStopping(build_stopping_criteria(**options), prompt_length, streamer))
+        return stopping[-1]
+
+    with (
+        _speculative_call(target_model, _get_stopping_criteria=stopping_criteria, **methods),
+        target.verify_as_decoding(prompt_length),
+        outputs_split_per_token(target.one_token_key_columns, target.prompt_key_columns, cache.get_seq_length()),
+    ):
+        arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+        # "dynamic" (perhaps from the target's generation_config.json) is what the rewindable cache is.
+        kwargs |= {CACHE_ARGUMENT: cache, "cache_implementation": None}
+        output = original_generate(target_model, **arguments, **kwargs)
+    return stopping[0].finish(output, cache, prompt_length)
+
+
 def speculative_generate(
     original_generate: Callable, target_model: PreTrainedModel, drafter: PreTrainedModel, bound: inspect.BoundArguments
 ):
@@ -243,7 +261,7 @@ def speculative_generate(
     cache = pop_user_cache(kwargs)
     draft_length = num_draft_tokens(drafter)
     schedule = draft_schedule(drafter)
-    prompt_length = _validate_request(target_model, bound, kwargs, cache, draft_length)
+    prompt_length = _validate_request(target, bound, kwargs, cache, draft_length)
     stats = GenerationStats(num_draft_tokens=draft_length, schedule=schedule)
     if drafter.config.model_type in BLOCK_DRAFTER_TYPES:
         proposer = BlockProposer(drafter, target)
@@ -251,13 +269,8 @@ def speculative_generate(
         proposer = MTPProposer(drafter, target, draft_length)
 
     cache = cache if cache is not None else target.make_cache(max_draft=draft_length)
-    streamer = bound.arguments.get("streamer")
-    if streamer is not None:
-        streamer = bound.arguments["streamer"] = HeldBackStreamer(streamer)
-    build_stopping_criteria = target_model._get_stopping_criteria
-    stopping: list[PerTokenStopping] = []
     timer = StepTimer()
-    with target.capture(proposer.feature_layers) as capture:
+    with target.capture(proposer.feature_layers) as capture, timer.attach(target_model, cache):
 
         def candidate_generator(generation_config, logits_processor, **_) -> SpeculativeCandidateGenerator:
             pick = TokenPicker(logits_processor, bool(generation_config.do_sample))
@@ -266,26 +279,66 @@ def speculative_generate(
                 proposer, capture, draft_length, generation_config.max_length, pick, stats, timer, policy
             )
 
-        def stopping_criteria(**options) -> PerTokenStopping:
-            stopping.append(PerTokenStopping(build_stopping_criteria(**options), prompt_length, streamer))
-            return stopping[-1]
-
-        methods = {"_get_candidate_generator": candidate_generator, "_get_stopping_criteria": stopping_criteria}
-        with (
-            _speculative_call(target_model, **methods),
-            timer.attach(target_model, cache),
-            hidden_states_split_per_token(),
-        ):
-            arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
-            # "dynamic" (perhaps from the target's generation_config.json) is what the rewindable cache is.
-            kwargs |= {CACHE_ARGUMENT: cache, "cache_implementation": None}
-            output = original_generate(target_model, **arguments, **kwargs)
-        output = stopping[0].finish(output, cache, prompt_length)
+        methods = {"_get_candidate_generator": candidate_generator}
+        output = _exact_assisted_call(original_generate, target, bound, kwargs, cache, prompt_length, **methods)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     stats.new_tokens = sequences.shape[1] - prompt_length
     stats.seconds = synchronized_clock() - start
     drafter.last_generation_stats = stats
     return output
+
+
+def uses_stock_drafting(model: PreTrainedModel, bound: inspect.BoundArguments) -> bool:
+    """Prompt lookup or a stock assistant on a target of a supported family whose stock assisted decoding is refused
+    (`_is_stateful`): the runtime then supplies what makes it exact."""
+    if not getattr(type(model), "_is_stateful", False):
+        return False
+    if getattr(getattr(model, "config", None), "model_type", None) not in TARGET_FAMILIES:
+        return False
+    kwargs = bound.arguments.get("kwargs", {})
+    config = bound.arguments.get("generation_config")
+    lookup = kwargs.get("prompt_lookup_num_tokens", getattr(config, "prompt_lookup_num_tokens", None))
+    return bound.arguments.get("assistant_model") is not None or lookup is not None
+
+
+def stock_drafting_generate(original_generate: Callable, target_model: PreTrainedModel, bound: inspect.BoundArguments):
+    """Prompt lookup or a stock same-family assistant (transformers' own candidate generators) on a stateful mHC
+    target: the target, and the assistant, get caches that roll back exactly."""
+    target = get_target_adapter(target_model)
+    kwargs = bound.arguments.pop("kwargs", {})
+    cache = pop_user_cache(kwargs)
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            "Prompt lookup and stock assistants cannot continue from a passed cache on this target; pass the whole "
+            f"conversation without `{CACHE_ARGUMENT}`, or use a HyperDFlash drafter, which can."
+        )
+    generation_config, _ = target_model._prepare_generation_config(bound.arguments.get("generation_config"), **kwargs)
+    inputs = bound.arguments.get("inputs")
+    input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if input_ids is None or input_ids.shape[0] != 1:
+        raise ValueError("Prompt lookup and assistants decode one prompt at a time: pass `input_ids` of batch size 1.")
+    prompt_length = input_ids.shape[1]
+    assistant = bound.arguments.get("assistant_model")
+    if assistant is None:
+        max_draft = generation_config.prompt_lookup_num_tokens
+    else:  # a stock assistant's draft length adapts without a cap: a draft never exceeds what is left to generate
+        new_tokens = generation_config.max_new_tokens
+        max_draft = (new_tokens if new_tokens is not None else generation_config.max_length - prompt_length) + 1
+    build_candidate_generator = target_model._get_candidate_generator
+
+    def candidate_generator(**options):
+        generator = build_candidate_generator(**options)
+        if assistant is not None:
+            assistant_target = get_target_adapter(assistant)
+            generator.assistant_kwargs[CACHE_ARGUMENT] = assistant_target.make_cache(max_draft=max_draft)
+        return generator
+
+    if cache is None:
+        cache = target.make_cache(max_draft=max_draft)
+    target.check_cache(cache, max_draft)
+    return _exact_assisted_call(
+        original_generate, target, bound, kwargs, cache, prompt_length, _get_candidate_generator=candidate_generator
+    )
 
 
 def _wrap_generate(original_generate: Callable) -> Callable:
@@ -295,9 +348,11 @@ def _wrap_generate(original_generate: Callable) -> Callable:
     def generate(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         drafter = bound.arguments.get("assistant_model")
-        if not is_speculative_drafter(drafter):
-            return original_generate(self, *args, **kwargs)
-        return speculative_generate(original_generate, self, drafter, bound)
+        if is_speculative_drafter(drafter):
+            return speculative_generate(original_generate, self, drafter, bound)
+        if uses_stock_drafting(self, bound):
+            return stock_drafting_generate(original_generate, self, bound)
+        return original_generate(self, *args, **kwargs)
 
     setattr(generate, _INSTALLED_BY, __name__)
     return generate

@@ -57,7 +57,12 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, DeepseekV4Pre
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, **overrides) -> "DeepseekV4MTPForDrafting":
-        """An untrained MTP for `target`; its collapse head and final norm start from the target's."""
+        """An untrained MTP for `target` (a DeepSeek-V4); its collapse head and final norm start from the target's."""
+        if target.config.model_type != "deepseek_v4":
+            raise ValueError(
+                f"The native-MTP drafter is DeepSeek-V4's MTP block; got a {target.config.model_type!r} target. Use "
+                "`HyperDFlashForDrafting.from_target(target)` for other mHC families."
+            )
         config = DeepseekV4MTPConfig.from_target_config(target.config)
         for key, value in overrides.items():
             setattr(config, key, value)

@@ -1,4 +1,4 @@
-"""HyperDFlash drafter: a block-parallel (DFlash) drafter conditioned on a DeepSeek-V4 target's mHC residual.
+"""HyperDFlash drafter: a block-parallel (DFlash) drafter conditioned on an mHC target's residual streams.
 
 Hugging Face remote code: imports only torch and transformers. The drafter has no embedding or LM head; the
 caller embeds the anchor tokens with the target's embedding and maps the output through the target's `lm_head`.
@@ -243,7 +243,7 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, **overrides) -> "HyperDFlashForDrafting":
-        """An untrained drafter for `target` (a `DeepseekV4ForCausalLM`); `overrides` set any config field.
+        """An untrained drafter for `target` (a supported mHC family); `overrides` set any config field.
 
         Target dimensions come from the target config, draft-layer sizes from its hidden size. With
         `reducer="inherited_gate"` every gate starts as a copy of `target.model.hc_head`. No reference to the target

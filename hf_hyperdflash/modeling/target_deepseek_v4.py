@@ -1,106 +1,80 @@
-"""Adapter for stock transformers DeepSeek-V4 targets: where the mHC residual lives and how to rewind its cache."""
+"""Adapter for stock transformers DeepSeek-V4 targets: a cache that rewinds sliding, CSA and HCA layers, the key
+layout of its attention rows, and the HCA masking a verify forward must share with one-token decoding."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
-from torch import nn
-from transformers import PreTrainedModel
+from transformers import Cache
 
 from .cache_deepseek_v4 import RewindableDeepseekV4Cache
-from .feature_capture import FeatureCapture
+from .compressed_visibility import hca_visibility_as_decoding
+from .target_base import HyperConnectionTarget
+from .transformers_compat import CACHE_ARGUMENT
 
 
-def execution_device(module: nn.Module) -> torch.device:
-    """Where `module` computes: its weights' device, or, when accelerate offloads it (weights on the meta device
-    until its forward), the device accelerate's hook runs it on."""
-    hook = getattr(module, "_hf_hook", None)
-    device = getattr(hook, "execution_device", None)
-    if device is not None:
-        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    return next(module.parameters()).device
+def is_rewindable_cache(cache: object) -> bool:
+    """By class name, so a cache made by one copy of the runtime is accepted by another."""
+    return any(klass.__name__ == "RewindableDeepseekV4Cache" for klass in type(cache).__mro__)
 
 
-class DeepseekV4Target:
+class DeepseekV4Target(HyperConnectionTarget):
     """What HyperDFlash needs from a `DeepseekV4ForCausalLM`, without forking its modeling file."""
 
     family = "deepseek_v4"
-
-    def __init__(self, model: PreTrainedModel):
-        self.model = model
-        self.config = model.config
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def hc_mult(self) -> int:
-        return self.config.hc_mult
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.model.get_input_embeddings()
-
-    @property
-    def lm_head(self) -> nn.Linear:
-        return self.model.get_output_embeddings()
-
-    @property
-    def collapse_head(self) -> nn.Module:
-        """`model.hc_head` (DeepseekV4HyperHead): the module whose input is the final pre-collapse residual."""
-        return self.model.model.hc_head
-
-    def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
-        """The target's embedding of `token_ids`, computed where the embedding runs."""
-        return self.embed_tokens(token_ids.to(execution_device(self.embed_tokens)))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's `lm_head` on final-normed hidden states, computed where the head runs."""
-        return self.lm_head(hidden.to(execution_device(self.lm_head), self.lm_head.weight.dtype))
-
-    @property
-    def final_norm(self) -> nn.Module:
-        """`model.norm`, applied after the collapse head and before `lm_head`."""
-        return self.model.model.norm
-
-    @property
-    def feature_device(self) -> torch.device:
-        """Where the last decoder layer (and so the captured residual) runs; the drafter runs there."""
-        return execution_device(self.collapse_head)
+    has_native_mtp = True
 
     def make_cache(self, max_draft: int) -> RewindableDeepseekV4Cache:
         return RewindableDeepseekV4Cache(config=self.config, max_draft=max_draft)
 
-    @contextmanager
-    def capture(self, layer_ids: Sequence[int] | None = None) -> Iterator[FeatureCapture]:
-        """Record the pre-collapse residual (layer_ids None) or the outputs of `layer_ids`, for every forward."""
-        capture = FeatureCapture(layer_ids)
-        if layer_ids is None:
-            handles = [
-                self.collapse_head.register_forward_pre_hook(lambda _, args: capture.record("pre_collapse", args[0]))
-            ]
-        else:
-            bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-            if bad:
-                raise ValueError(f"target_layer_ids {bad} are outside the target's {self.num_layers} layers.")
-            layers = self.model.model.layers
-            handles = [
-                layers[i].register_forward_hook(lambda _, __, output, i=i: capture.record(i, output))
-                for i in layer_ids
-            ]
-        try:
-            yield capture
-        finally:
-            for handle in handles:
-                handle.remove()
+    def check_cache(self, cache: Cache, max_draft: int) -> None:
+        if not is_rewindable_cache(cache):
+            raise ValueError(
+                f"Speculative decoding needs a rewindable target cache, got {type(cache).__name__}. "
+                f"Omit `{CACHE_ARGUMENT}` (one is created for you)."
+            )
+        if cache.max_draft < max_draft:
+            raise ValueError(
+                f"The target cache passed in can rewind {cache.max_draft} tokens, but this drafter drafts {max_draft} "
+                f"per step. Build it with RewindableDeepseekV4Cache(config, max_draft={max_draft}), or omit "
+                f"`{CACHE_ARGUMENT}`."
+            )
+
+    def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
+        """A verify forward's rows see the compressed entries one-token decoding sees, also when a padded prompt
+        makes position ids lag the cache."""
+        return hca_visibility_as_decoding(self.model, prompt_length)
+
+    def one_token_key_columns(self, layer_idx: int, cache_length: int, num_queries: int, query: int) -> torch.Tensor:
+        """A forward's keys are its sliding window, `min(cache_length, sliding_window - 1)` cached keys plus its own
+        queries' keys, then (CSA and HCA layers) every compressed entry the cache holds after it. A one-token forward
+        at cache index `c` sees the keys of positions `c - min(c, sliding_window - 1) .. c`, then `(c + 1) //
+        compress_rate` compressed entries."""
+        window = self.config.sliding_window - 1
+        position = cache_length + query
+        first_key = cache_length - min(cache_length, window)  # position of the forward's first sliding key
+        sliding = torch.arange(position - min(position, window), position + 1) - first_key
+        return self._with_compressed(sliding, layer_idx, cache_length, num_queries, position + 1)
+
+    def prompt_key_columns(
+        self, layer_idx: int, cache_length: int, num_queries: int, prompt_rows: int
+    ) -> torch.Tensor:
+        """A forward of the prompt alone has the cached window and the prompt's keys, then `prompt_end //
+        compress_rate` compressed entries."""
+        sliding = torch.arange(min(cache_length, self.config.sliding_window - 1) + prompt_rows)
+        return self._with_compressed(sliding, layer_idx, cache_length, num_queries, cache_length + prompt_rows)
+
+    def _with_compressed(
+        self, sliding: torch.Tensor, layer_idx: int, cache_length: int, num_queries: int, seen_tokens: int
+    ) -> torch.Tensor:
+        """`sliding`, then on CSA and HCA layers the compressed entries closed within the first `seen_tokens`."""
+        layer_type = self.config.layer_types[layer_idx]
+        if layer_type == "sliding_attention":
+            return sliding
+        compressed_start = min(cache_length, self.config.sliding_window - 1) + num_queries
+        num_compressed = seen_tokens // self.config.compress_rates[layer_type]
+        return torch.cat([sliding, torch.arange(compressed_start, compressed_start + num_compressed)])
+
+
+__all__ = ["DeepseekV4Target", "is_rewindable_cache"]

@@ -8,9 +8,11 @@ import json
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .feature_capture import FeatureCapture
+from .target_base import HyperConnectionTarget
 from .target_deepseek_v4 import DeepseekV4Target
+from .target_hy_v4 import HYV4Target
 
-TARGET_FAMILIES = {"deepseek_v4": DeepseekV4Target}
+TARGET_FAMILIES: dict[str, type[HyperConnectionTarget]] = {"deepseek_v4": DeepseekV4Target, "hy_v4": HYV4Target}
 # The architecture of a target as far as its drafter cares: shapes, layer schedule, vocabulary.
 FINGERPRINT_FIELDS = (
     "model_type",
@@ -37,16 +39,24 @@ def target_fingerprint(config: PretrainedConfig) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def get_target_adapter(model: PreTrainedModel) -> DeepseekV4Target:
+def get_target_adapter(model: PreTrainedModel) -> HyperConnectionTarget:
     """The adapter for `model`'s family; a clear error for families HyperDFlash does not support."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in TARGET_FAMILIES:
         raise ValueError(
             f"HyperDFlash does not support target model type {model_type!r} ({type(model).__name__}); "
-            f"supported families: {sorted(TARGET_FAMILIES)}. Use a DeepseekV4ForCausalLM target, or decode "
-            "without `assistant_model`."
+            f"supported families: {sorted(TARGET_FAMILIES)}. Use a target of one of them, or decode without "
+            "`assistant_model`."
         )
     return TARGET_FAMILIES[model_type](model)
 
 
-__all__ = ["DeepseekV4Target", "FeatureCapture", "TARGET_FAMILIES", "get_target_adapter", "target_fingerprint"]
+__all__ = [
+    "DeepseekV4Target",
+    "FeatureCapture",
+    "HYV4Target",
+    "HyperConnectionTarget",
+    "TARGET_FAMILIES",
+    "get_target_adapter",
+    "target_fingerprint",
+]

@@ -28,8 +28,15 @@ pinned by a test in `tests/test_transformers_internals.py`, run on both versions
   (test_hc_head_collapses_the_pre_collapse_residual)
 - `DeepseekV4HCACache` / `DeepseekV4CSACache` state and hooks: what the rewindable cache intercepts
   (tests/test_rewindable_cache.py)
-- `DeepseekV4IndexerScorer.forward`: its scores become ranks with ties broken by position (`indexer_ties.py`),
-  exact while the indexer only masks and top-k's them (test_indexer_scores_feed_only_its_top_k)
+- `DeepseekV4Indexer.forward`, `HYV4Indexer.forward`: run with `topk` breaking ties by position (`indexer_ties.py`),
+  which covers their selection while they pick entries with `topk` alone (test_indexers_select_entries_only_with_topk)
+- `DeepseekV4Attention` calling its compressor positionally, and HCA's block bias (none for one token, by position id
+  for more): rebuilt for verify rows by `compressed_visibility.py`
+  (test_attention_calls_its_compressor_with_positional_arguments,
+  test_one_token_hca_forward_sees_every_compressed_entry_and_longer_ones_mask_by_position)
+- `generation.utils._split_model_outputs(outputs, new_outputs, cur_len, added_len, is_decoder_attention=...)`:
+  replaced for one call by `output_split.split_per_token`
+  (test_assisted_decoding_splits_attentions_with_the_decoder_attention_flag)
 - the cache argument's name, `CACHE_ARGUMENT` below (test_cache_argument_is_the_installed_versions)
 """
 

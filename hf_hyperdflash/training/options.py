@@ -135,7 +135,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     flag = argparse.BooleanOptionalAction
 
     models = parser.add_argument_group("models")
-    _option(models, "--target", "Path or Hub id of the DeepSeek-V4 target. Default: the shipped reference target.")
+    _option(
+        models,
+        "--target",
+        "Path or Hub id of the mHC target (DeepSeek-V4 or HY-V4). Default: the shipped reference target.",
+    )
     _option(models, "--tokenizer", "Tokenizer path or Hub id. Default: the reference's, or the target's.")
     _option(models, "--target-dtype", "dtype of the frozen target.", choices=["auto", "float32", "bfloat16"])
     _option(

@@ -1,4 +1,4 @@
-"""Train a HyperDFlash (or vanilla-DFlash) drafter against a frozen DeepSeek-V4 target.
+"""Train a HyperDFlash (or vanilla-DFlash) drafter against a frozen mHC target (DeepSeek-V4, HY-V4).
 
 Target features are computed online: every batch runs the frozen target once over the padded sequences,
 capturing the final pre-collapse residual (conditioning and KL teacher) and, for `conditioning="intermediate"`,
@@ -74,7 +74,7 @@ def check_target_path(path: str | os.PathLike) -> None:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ValueError(
-            f"{path} holds no model (no config.json); pass the folder of a saved DeepSeek-V4 target, or a Hub id."
+            f"{path} holds no model (no config.json); pass the folder of a saved mHC target, or a Hub id."
         )
     try:
         model_type = json.loads(config_file.read_text()).get("model_type")

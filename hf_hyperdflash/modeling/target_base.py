@@ -1,0 +1,141 @@
+"""What HyperDFlash needs from an mHC target, whatever its family: the interface every target adapter implements.
+
+An adapter names where the family keeps its embedding, LM head, stream collapse and final norm, gives the cache that
+verification can roll back, and says how a verify forward relates to one-token decoding (which keys a one-token
+forward attends to; what else must be made to match). Generic parts live here; `target_<family>.py` fills in the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+import torch
+from torch import nn
+from transformers import Cache, PreTrainedModel
+
+from .feature_capture import FeatureCapture
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: its weights' device, or, when accelerate offloads it (weights on the meta device
+    until its forward), the device accelerate's hook runs it on."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return next(module.parameters()).device
+
+
+def _states(layer_output: torch.Tensor | tuple) -> torch.Tensor:
+    """A decoder layer's residual streams (some families also return extras, such as HY-V4's top-k indices)."""
+    return layer_output[0] if isinstance(layer_output, tuple) else layer_output
+
+
+class HyperConnectionTarget:
+    """A causal LM whose residual is `hc_mult` streams `[B, S, hc, D]`, collapsed by `model.hc_head` and normed by
+    `model.norm` before `lm_head`. Subclasses set `family` and implement the cache methods."""
+
+    family: str
+    has_native_mtp: bool = False  # whether the native-MTP drafter (DeepSeek-V4's MTP block) fits this family
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.config = model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def hc_mult(self) -> int:
+        return self.config.hc_mult
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.model.layers
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def collapse_head(self) -> nn.Module:
+        """The module whose input is the final pre-collapse residual (`model.hc_head`)."""
+        return self.model.model.hc_head
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """Applied after the collapse head and before `lm_head` (`model.norm`)."""
+        return self.model.model.norm
+
+    def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
+        """The target's embedding of `token_ids`, computed where the embedding runs."""
+        return self.embed_tokens(token_ids.to(execution_device(self.embed_tokens)))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's `lm_head` on final-normed hidden states, computed where the head runs."""
+        return self.lm_head(hidden.to(execution_device(self.lm_head), self.lm_head.weight.dtype))
+
+    @property
+    def feature_device(self) -> torch.device:
+        """Where the last decoder layer (and so the captured residual) runs; the drafter runs there."""
+        return execution_device(self.collapse_head)
+
+    def make_cache(self, max_draft: int) -> Cache:
+        """A target cache whose `crop` removes up to `max_draft` trailing tokens exactly."""
+        raise NotImplementedError
+
+    def check_cache(self, cache: Cache, max_draft: int) -> None:
+        """Raise `ValueError` unless a cache the user passed in can rewind a draft of `max_draft` tokens."""
+        raise NotImplementedError
+
+    def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
+        """For one call: whatever makes a verify forward's rows equal one-token decoding's (nothing by default)."""
+        return nullcontext()
+
+    def one_token_key_columns(self, layer_idx: int, cache_length: int, num_queries: int, query: int) -> torch.Tensor:
+        """The key columns of a verify forward's attention row `query` that a one-token forward at that position
+        has. Default: full attention, every key up to and including its own position."""
+        return torch.arange(cache_length + query + 1)
+
+    def prompt_key_columns(
+        self, layer_idx: int, cache_length: int, num_queries: int, prompt_rows: int
+    ) -> torch.Tensor:
+        """The key columns of a forward's first `prompt_rows` rows (the prompt) that a forward of the prompt alone
+        has. Default: full attention, every key up to the prompt's end."""
+        return torch.arange(cache_length + prompt_rows)
+
+    @contextmanager
+    def capture(self, layer_ids: Sequence[int] | None = None) -> Iterator[FeatureCapture]:
+        """Record the pre-collapse residual (layer_ids None) or the outputs of `layer_ids`, for every forward."""
+        capture = FeatureCapture(layer_ids)
+        if layer_ids is None:
+            handles = [
+                self.collapse_head.register_forward_pre_hook(lambda _, args: capture.record("pre_collapse", args[0]))
+            ]
+        else:
+            bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"target_layer_ids {bad} are outside the target's {self.num_layers} layers.")
+            handles = [
+                self.decoder_layers[i].register_forward_hook(lambda _, __, out, i=i: capture.record(i, _states(out)))
+                for i in layer_ids
+            ]
+        try:
+            yield capture
+        finally:
+            for handle in handles:
+                handle.remove()

@@ -1,0 +1,87 @@
+"""transformers' own drafting modes on a stateful mHC target once the package is loaded: prompt lookup and a stock
+same-family assistant model. Stock transformers refuses both on DeepSeek-V4 (`_is_stateful`); the runtime gives the
+target, and the assistant, caches that roll back exactly, and the same per-token stopping and output split as for
+our drafters, so the output is plain decoding's.
+"""
+
+import pytest
+import torch
+
+import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
+from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
+from hf_hyperdflash.testing import tiny_deepseek_v4
+
+SEEDS = range(6)
+NEW_TOKENS = 24
+OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_hidden_states=True, output_attentions=True)
+
+
+def _repetitive_prompt(seed: int) -> torch.LongTensor:
+    """40 tokens whose second half repeats its first, so prompt lookup finds n-grams to draft from."""
+    half = torch.randint(3, 512, (1, 20), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([half, half], dim=1)
+
+
+def _drafting(kind: str, seed: int, target) -> dict:
+    if kind == "prompt-lookup":
+        return {"prompt_lookup_num_tokens": 4}
+    assistant = target if kind == "same-model" else tiny_deepseek_v4(seed=seed + 100, index_n_heads=2)
+    return {"assistant_model": assistant}
+
+
+@pytest.mark.parametrize("kind", ["prompt-lookup", "same-model", "other-model"])
+def test_stock_drafting_is_plain_greedy_decoding(kind):
+    forwards, target_forwards = [], 0
+    for seed in SEEDS:
+        target = tiny_deepseek_v4(seed=seed, index_n_heads=2)
+        prompt = _repetitive_prompt(seed)
+        plain = target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **OUTPUTS)
+        before = target_forwards
+        hook = target.register_forward_pre_hook(lambda *_: forwards.append(1))
+        try:
+            drafted = target.generate(
+                prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **_drafting(kind, seed, target), **OUTPUTS
+            )
+        finally:
+            hook.remove()
+        assert len(forwards) > before
+        assert torch.equal(drafted.sequences, plain.sequences)
+        for name in ("scores", "hidden_states", "attentions"):
+            for step_ours, step_theirs in zip(getattr(drafted, name), getattr(plain, name), strict=True):
+                pairs = [(step_ours, step_theirs)] if name == "scores" else zip(step_ours, step_theirs, strict=True)
+                for a, b in pairs:
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        target_forwards = len(forwards)
+    if kind == "prompt-lookup":  # drafts from the repeated half were accepted: fewer forwards than tokens
+        assert target_forwards < NEW_TOKENS * len(SEEDS)
+
+
+def test_stock_drafting_samples_like_plain_decoding_under_a_fixed_seed():
+    for seed in range(4):
+        target = tiny_deepseek_v4(seed=seed, index_n_heads=2)
+        prompt = _repetitive_prompt(seed)
+        options = dict(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1)
+        torch.manual_seed(seed)
+        plain = target.generate(prompt, **options)
+        for kind in ("prompt-lookup", "other-model"):
+            torch.manual_seed(seed)
+            assert torch.equal(target.generate(prompt, **_drafting(kind, seed, target), **options), plain), kind
+
+
+def test_stock_drafting_refuses_a_passed_cache_before_any_forward():
+    target = tiny_deepseek_v4(seed=0)
+    prompt = _repetitive_prompt(0)
+    first = target.generate(prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    forwards = []
+    hook = target.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match="cannot continue from a passed cache"):
+            target.generate(
+                first.sequences,
+                max_new_tokens=4,
+                prompt_lookup_num_tokens=3,
+                **{CACHE_ARGUMENT: getattr(first, CACHE_ARGUMENT)},
+            )
+    finally:
+        hook.remove()
+    assert not forwards
