@@ -1,4 +1,4 @@
-"""Tiny mHC targets (DeepSeek-V4, HY-V4) for tests and CPU benchmarks.
+"""Tiny mHC targets (DeepSeek-V4, HY-V4, GLM-5-Next, Qwen4-Exp) for tests and CPU benchmarks.
 
 The stock `DeepseekV4ForCausalLM` is used unchanged; only the config is shrunk. The layer schedule
 covers every attention type (sliding, CSA with its indexer, HCA) and both MoE kinds (hash, top-k),
@@ -11,7 +11,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, HYV4Config, HYV4ForCausalLM
+from transformers import (
+    DeepseekV4Config,
+    DeepseekV4ForCausalLM,
+    Glm5NextConfig,
+    Glm5NextForConditionalGeneration,
+    HYV4Config,
+    HYV4ForCausalLM,
+    Qwen4ExpForCausalLM,
+    Qwen4ExpTextConfig,
+)
 
 
 def tiny_deepseek_v4_config(**overrides) -> DeepseekV4Config:
@@ -105,6 +114,106 @@ def tiny_hy_v4(seed: int = 0, **overrides) -> HYV4ForCausalLM:
     settings.update(overrides)
     torch.manual_seed(seed)
     return HYV4ForCausalLM(HYV4Config(**settings)).float().eval()
+
+
+def tiny_glm5_next(seed: int = 0, **overrides) -> Glm5NextForConditionalGeneration:
+    """A tiny stock GLM-5-Next (KDA linear attention, then indexed attention, twice; 2 indexer heads choosing 2
+    pools of 4 tokens), fp32 eval mode. Its text model is `model.model.language_model`."""
+    text = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=0,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_kpool=4,
+        layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "dense", "sparse", "sparse"],
+        indexer_types=["full", "full", "full", "full"],
+        linear_head_dim=16,
+        linear_num_heads=2,
+        linear_conv_kernel_dim=4,
+        hc_mult=4,
+        hc_sinkhorn_iters=3,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    text.update(overrides)
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=64,
+        projection_intermediate_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    torch.manual_seed(seed)
+    config = Glm5NextConfig(text_config=text, vision_config=vision)
+    return Glm5NextForConditionalGeneration(config).float().eval()
+
+
+def tiny_qwen4_exp(seed: int = 0, **overrides) -> Qwen4ExpForCausalLM:
+    """A tiny stock Qwen4-Exp (GatedDeltaNet linear attention, then indexed attention, twice; PLE with n-gram
+    embeddings on both linear layers; 2 indexer heads choosing 2 blocks of 4 tokens), fp32 eval mode."""
+    settings = dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        hc_count=4,
+        hc_lowrank=16,
+        ple_layer_ids=[1, 3],  # one-indexed: both linear layers
+        ple_embed_dim=32,
+        ple_conv_kernel_size=4,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=1000,
+        make_ngram_vocab_size_divisible_by=8,
+        split_ngram_parts=1,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        max_position_embeddings=512,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    return Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**settings)).float().eval()
 
 
 class OracleProposer:

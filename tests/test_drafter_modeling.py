@@ -246,7 +246,7 @@ def test_from_target_rejects_other_targets_and_missing_layers(target):
         HyperDFlashForDrafting.from_target(target, conditioning="intermediate", target_layer_ids=[1, 4])
     llama_config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     llama = LlamaForCausalLM(llama_config)
-    with pytest.raises(ValueError, match="model_type"):
+    with pytest.raises(ValueError, match="does not support target model type .llama."):
         HyperDFlashForDrafting.from_target(llama)
 
 

@@ -1,7 +1,7 @@
-"""transformers' own drafting modes on a stateful mHC target once the package is loaded: prompt lookup and a stock
-same-family assistant model. Stock transformers refuses both on DeepSeek-V4 (`_is_stateful`); the runtime gives the
-target, and the assistant, caches that roll back exactly, and the same per-token stopping and output split as for
-our drafters, so the output is plain decoding's.
+"""transformers' own drafting modes on stateful mHC targets once the package is loaded: prompt lookup and a stock
+same-family assistant model. Stock transformers refuses both on DeepSeek-V4, GLM-5-Next and Qwen4-Exp
+(`_is_stateful`); the runtime gives the target, and the assistant, caches that roll back exactly, and the same
+per-token stopping and output split as for our drafters, so the output is plain decoding's.
 """
 
 import pytest
@@ -9,9 +9,14 @@ import torch
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
-from hf_hyperdflash.testing import tiny_deepseek_v4
+from hf_hyperdflash.testing import tiny_deepseek_v4, tiny_glm5_next, tiny_qwen4_exp
 
-SEEDS = range(6)
+FAMILIES = {
+    "deepseek_v4": lambda seed: tiny_deepseek_v4(seed=seed, index_n_heads=2),
+    "glm5_next": tiny_glm5_next,
+    "qwen4_exp": tiny_qwen4_exp,
+}
+SEEDS = {"deepseek_v4": range(6), "glm5_next": range(3), "qwen4_exp": range(3)}
 NEW_TOKENS = 24
 OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_hidden_states=True, output_attentions=True)
 
@@ -22,25 +27,32 @@ def _repetitive_prompt(seed: int) -> torch.LongTensor:
     return torch.cat([half, half], dim=1)
 
 
-def _drafting(kind: str, seed: int, target) -> dict:
+def _target(family: str, seed: int):
+    target = FAMILIES[family](seed)
+    target.set_attn_implementation("eager")  # attentions to compare (GLM-5-Next and Qwen4-Exp default to sdpa)
+    return target
+
+
+def _drafting(kind: str, seed: int, target, family: str = "deepseek_v4") -> dict:
     if kind == "prompt-lookup":
         return {"prompt_lookup_num_tokens": 4}
-    assistant = target if kind == "same-model" else tiny_deepseek_v4(seed=seed + 100, index_n_heads=2)
+    assistant = target if kind == "same-model" else _target(family, seed + 100)
     return {"assistant_model": assistant}
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("kind", ["prompt-lookup", "same-model", "other-model"])
-def test_stock_drafting_is_plain_greedy_decoding(kind):
+def test_stock_drafting_is_plain_greedy_decoding(family, kind):
     forwards, target_forwards = [], 0
-    for seed in SEEDS:
-        target = tiny_deepseek_v4(seed=seed, index_n_heads=2)
+    for seed in SEEDS[family]:
+        target = _target(family, seed)
         prompt = _repetitive_prompt(seed)
         plain = target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **OUTPUTS)
         before = target_forwards
         hook = target.register_forward_pre_hook(lambda *_: forwards.append(1))
         try:
             drafted = target.generate(
-                prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **_drafting(kind, seed, target), **OUTPUTS
+                prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **_drafting(kind, seed, target, family), **OUTPUTS
             )
         finally:
             hook.remove()
@@ -53,19 +65,21 @@ def test_stock_drafting_is_plain_greedy_decoding(kind):
                     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         target_forwards = len(forwards)
     if kind == "prompt-lookup":  # drafts from the repeated half were accepted: fewer forwards than tokens
-        assert target_forwards < NEW_TOKENS * len(SEEDS)
+        assert target_forwards < NEW_TOKENS * len(SEEDS[family])
 
 
-def test_stock_drafting_samples_like_plain_decoding_under_a_fixed_seed():
-    for seed in range(4):
-        target = tiny_deepseek_v4(seed=seed, index_n_heads=2)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_stock_drafting_samples_like_plain_decoding_under_a_fixed_seed(family):
+    for seed in range(1):
+        target = FAMILIES[family](seed)
         prompt = _repetitive_prompt(seed)
         options = dict(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1)
         torch.manual_seed(seed)
         plain = target.generate(prompt, **options)
         for kind in ("prompt-lookup", "other-model"):
             torch.manual_seed(seed)
-            assert torch.equal(target.generate(prompt, **_drafting(kind, seed, target), **options), plain), kind
+            drafting = _drafting(kind, seed, target, family)
+            assert torch.equal(target.generate(prompt, **drafting, **options), plain), kind
 
 
 def test_stock_drafting_refuses_a_passed_cache_before_any_forward():

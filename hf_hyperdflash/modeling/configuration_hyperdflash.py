@@ -4,7 +4,9 @@ from transformers import PreTrainedConfig
 
 REDUCERS = ("inherited_gate", "dense")
 CONDITIONINGS = ("pre_collapse", "intermediate")
-TARGET_MODEL_TYPES = ("deepseek_v4", "hy_v4")
+TARGET_MODEL_TYPES = ("deepseek_v4", "hy_v4", "glm5_next_text", "qwen4_exp_text")
+# Target families whose collapse is a gated residual over a flat `[B, S, hc * D]` stream (the others: V4's head form)
+GATED_RESIDUAL_TARGETS = ("qwen4_exp_text",)
 # What `from_target` (and so `hyperdflash train`) gives a new drafter: measured on the reference pair, every window
 # from 64 to 1,024 beats the whole context on long conversations and 512 also edges it on the main prompts
 # (docs/results.md, benchmarks/context_window_tau.py). A config without the field (saved before it existed) keeps
@@ -39,7 +41,9 @@ class HyperDFlashConfig(PreTrainedConfig):
             `"intermediate"` (outputs of target decoder layers `target_layer_ids`, vanilla DFlash).
         target_layer_ids (`list[int]`, *optional*): 0-based target decoder layers whose outputs condition the drafter;
             required for, and only allowed with, `conditioning="intermediate"`.
-        target_model_type (`str`): `model_type` of the target family.
+        target_model_type (`str`): `model_type` of the target family's text config; it also picks the inherited
+            gate's form (DeepSeek-V4's head, or Qwen4-Exp's gated residual).
+        hc_lowrank (`int`, *optional*): rank of the inherited gate for Qwen4-Exp targets (the target's `hc_lowrank`).
         context_window (`int`, *optional*): the drafter attends to (and caches) only the target positions within
             this many places before each anchor, so its per-step cost and cache stay bounded at long context; the same
             window applies in training. None keeps the whole context; `from_target` sets `DEFAULT_CONTEXT_WINDOW`.
@@ -72,6 +76,7 @@ class HyperDFlashConfig(PreTrainedConfig):
     conditioning: str = "pre_collapse"
     target_layer_ids: list[int] | None = None
     target_model_type: str = "deepseek_v4"
+    hc_lowrank: int | None = None
     context_window: int | None = None
     target_name_or_path: str | None = None
     target_fingerprint: str | None = None
@@ -110,6 +115,12 @@ class HyperDFlashConfig(PreTrainedConfig):
                 f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
                 f"({self.num_key_value_heads})."
             )
+        if self.target_model_type in GATED_RESIDUAL_TARGETS and self.reducer == "inherited_gate":
+            if not isinstance(self.hc_lowrank, int) or self.hc_lowrank < 1:
+                raise ValueError(
+                    f"`hc_lowrank` must be a positive integer for a {self.target_model_type} target's inherited gate, "
+                    f"got {self.hc_lowrank!r}; `from_target` copies the target's."
+                )
         if not 0 <= self.attention_dropout < 1:
             raise ValueError(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout!r}.")
         self._check_target_layer_ids()

@@ -1,6 +1,7 @@
 """Sparse-attention indexers with exact score ties broken by position: verification selects what decoding does.
 
-An indexer keeps the `index_topk` entries (DeepSeek-V4: compressed entries; HY-V4: tokens) with the highest scores,
+An indexer keeps the `index_topk` entries (DeepSeek-V4: compressed entries; HY-V4: tokens; GLM-5-Next and Qwen4-Exp:
+pools or blocks of tokens) with the highest scores,
 `sum_h w_h * ReLU(q_h . k)`. With few indexer heads, whole scores are often exactly 0.0, and `torch.topk` leaves the
 choice among tied entries to the kernel, which picks differently in a one-token forward and in a multi-token verify
 forward (measured on the tiny V4 test target with 2 indexer heads: speculative greedy output differed from plain
@@ -17,9 +18,11 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
 from transformers.models.hy_v4.modeling_hy_v4 import HYV4Indexer
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer
 
-INDEXER_CLASSES = (DeepseekV4Indexer, HYV4Indexer)
+INDEXER_CLASSES = (DeepseekV4Indexer, HYV4Indexer, Glm5NextTextIndexer, Qwen4ExpTextQSAIndexer)
 _INSTALLED = "_hyperdflash_ties_by_position"  # attribute of the wrapped forward
 
 

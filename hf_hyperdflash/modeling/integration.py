@@ -247,8 +247,24 @@ def _exact_assisted_call(
         arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
         # "dynamic" (perhaps from the target's generation_config.json) is what the rewindable cache is.
         kwargs |= {CACHE_ARGUMENT: cache, "cache_implementation": None}
+        no_attentions = _asks_attentions_it_cannot_get(target_model, bound, kwargs)
+        if no_attentions:  # transformers' assisted loop would index the empty attentions a non-eager model returns
+            kwargs["output_attentions"] = False
         output = original_generate(target_model, **arguments, **kwargs)
-    return stopping[0].finish(output, cache, prompt_length)
+    output = stopping[0].finish(output, cache, prompt_length)
+    if no_attentions and not isinstance(output, torch.Tensor):
+        output.attentions = tuple(() for _ in range(output.sequences.shape[1] - prompt_length))  # as plain decoding
+    return output
+
+
+def _asks_attentions_it_cannot_get(target_model: PreTrainedModel, bound: inspect.BoundArguments, kwargs: dict) -> bool:
+    """`output_attentions` with an attention implementation that returns none (only eager does): plain decoding then
+    returns an empty tuple per step."""
+    generation_config, _ = target_model._prepare_generation_config(bound.arguments.get("generation_config"), **kwargs)
+    implementation = target_model.config.get_text_config()._attn_implementation
+    return bool(generation_config.output_attentions and generation_config.return_dict_in_generate) and (
+        implementation != "eager"
+    )
 
 
 def speculative_generate(

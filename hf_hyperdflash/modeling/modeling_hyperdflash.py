@@ -4,6 +4,8 @@ Hugging Face remote code: imports only torch and transformers. The drafter has n
 caller embeds the anchor tokens with the target's embedding and maps the output through the target's `lm_head`.
 """
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
@@ -17,14 +19,20 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
     rotate_half,
 )
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextGatedResidual, Qwen4ExpTextRMSNorm
 
-from .configuration_hyperdflash import DEFAULT_CONTEXT_WINDOW, TARGET_MODEL_TYPES, HyperDFlashConfig
+from .configuration_hyperdflash import (
+    DEFAULT_CONTEXT_WINDOW,
+    GATED_RESIDUAL_TARGETS,
+    TARGET_MODEL_TYPES,
+    HyperDFlashConfig,
+)
 from .draft_policy import ADAPTIVE_SCHEDULE
 from .integration import install_generate_integration
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
 from .strict_loading import StrictLoadingMixin
-from .targets import target_fingerprint
+from .targets import get_target_adapter, target_fingerprint
 
 
 def spread_target_layers(num_target_layers: int, count: int) -> list[int]:
@@ -60,20 +68,39 @@ def block_attention_mask(context_visible: torch.Tensor, block_size: int, dtype: 
     return mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(1)
 
 
+def inherited_gate(config: HyperDFlashConfig) -> nn.Module:
+    """A collapse of the target family's form: DeepSeek-V4's head (`hc_fn`/`hc_base`/`hc_scale`; also HY-V4's, and a
+    mean for GLM-5-Next when initialised so), or Qwen4-Exp's gated residual over flat streams."""
+    if config.target_model_type in GATED_RESIDUAL_TARGETS:
+        sizes = SimpleNamespace(
+            hc_count=config.hc_mult,
+            hidden_size=config.hidden_size,
+            hc_lowrank=config.hc_lowrank,
+            rms_norm_eps=config.rms_norm_eps,
+        )
+        return Qwen4ExpTextGatedResidual(sizes, use_combine=False)
+    return DeepseekV4HyperHead(config)
+
+
 class HyperDFlashGateReducer(nn.Module):
-    """`reducer="inherited_gate"`: the target's own stream collapse (`DeepseekV4HyperHead`, so the functional form
-    and the parameter names `hc_fn`/`hc_base`/`hc_scale` are the target's), one per conditioning layer. With several
-    layers (`conditioning="intermediate"`) each layer's streams are collapsed by its own gate and the results averaged.
+    """`reducer="inherited_gate"`: the target's own stream collapse (`inherited_gate`, so the functional form and the
+    parameter names are the target's), one per conditioning layer. With several layers (`conditioning="intermediate"`)
+    each layer's streams are collapsed by its own gate and the results averaged.
     """
 
     def __init__(self, config: HyperDFlashConfig):
         super().__init__()
         self.hc_mult = config.hc_mult
-        self.hc_heads = nn.ModuleList(DeepseekV4HyperHead(config) for _ in range(config.num_conditioning_layers))
+        self.flat_streams = config.target_model_type in GATED_RESIDUAL_TARGETS
+        self.hc_heads = nn.ModuleList(inherited_gate(config) for _ in range(config.num_conditioning_layers))
 
     def forward(self, target_hidden: torch.Tensor) -> torch.Tensor:
         per_layer = target_hidden.unflatten(2, (len(self.hc_heads), self.hc_mult))
-        return torch.stack([head(per_layer[:, :, i]) for i, head in enumerate(self.hc_heads)]).mean(0)
+        streams = [
+            per_layer[:, :, i].flatten(2) if self.flat_streams else per_layer[:, :, i]
+            for i in range(len(self.hc_heads))
+        ]
+        return torch.stack([head(s) for head, s in zip(self.hc_heads, streams, strict=True)]).mean(0)
 
 
 class HyperDFlashDenseReducer(nn.Module):
@@ -170,9 +197,10 @@ def drafter_config_for(target_config: PretrainedConfig, **overrides) -> HyperDFl
     settings = {
         "vocab_size": target_config.vocab_size,
         "hidden_size": hidden,
-        "hc_mult": target_config.hc_mult,
+        "hc_mult": getattr(target_config, "hc_mult", None) or target_config.hc_count,
         "rms_norm_eps": target_config.rms_norm_eps,
-        "hc_eps": target_config.hc_eps,
+        "hc_eps": getattr(target_config, "hc_eps", HyperDFlashConfig.hc_eps),
+        "hc_lowrank": getattr(target_config, "hc_lowrank", None),
         "max_position_embeddings": target_config.max_position_embeddings,
         "target_model_type": target_config.model_type,
         "target_name_or_path": target_config.name_or_path or None,
@@ -240,6 +268,8 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel
             init.normal_(module.hc_fn, mean=0.0, std=self.config.initializer_range)
             init.zeros_(module.hc_base)
             init.ones_(module.hc_scale)
+        elif isinstance(module, Qwen4ExpTextRMSNorm):
+            init.zeros_(module.weight)  # a (1 + weight) norm
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, **overrides) -> "HyperDFlashForDrafting":
@@ -249,11 +279,13 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel
         `reducer="inherited_gate"` every gate starts as a copy of `target.model.hc_head`. No reference to the target
         is kept. For `conditioning="intermediate"` without `target_layer_ids`, a DFlash-style spread is stored.
         """
-        config = drafter_config_for(target.config, **overrides)
+        adapter = get_target_adapter(target)
+        overrides.setdefault("target_name_or_path", target.config.name_or_path or None)  # the text config has none
+        config = drafter_config_for(adapter.config, **overrides)
         drafter = cls(config)
         if config.reducer == "inherited_gate":
             for head in drafter.reducer.hc_heads:
-                head.load_state_dict(target.model.hc_head.state_dict())  # copies values, shares no storage
+                adapter.init_inherited_gate(head)
         return drafter
 
     def _check_inputs(

@@ -34,14 +34,15 @@ def _states(layer_output: torch.Tensor | tuple) -> torch.Tensor:
 
 class HyperConnectionTarget:
     """A causal LM whose residual is `hc_mult` streams `[B, S, hc, D]`, collapsed by `model.hc_head` and normed by
-    `model.norm` before `lm_head`. Subclasses set `family` and implement the cache methods."""
+    `model.norm` before `lm_head`. Subclasses set `family` and implement the cache methods, and override where their
+    family differs (a text model inside a multimodal one, a flat stream layout, another collapse)."""
 
     family: str
     has_native_mtp: bool = False  # whether the native-MTP drafter (DeepSeek-V4's MTP block) fits this family
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
-        self.config = model.config
+        self.config = model.config.get_text_config()
 
     @property
     def hidden_size(self) -> int:
@@ -60,8 +61,13 @@ class HyperConnectionTarget:
         return self.config.num_hidden_layers
 
     @property
+    def text_model(self) -> nn.Module:
+        """The decoder stack (embedding, layers, collapse, final norm)."""
+        return self.model.model
+
+    @property
     def decoder_layers(self) -> nn.ModuleList:
-        return self.model.model.layers
+        return self.text_model.layers
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -74,12 +80,20 @@ class HyperConnectionTarget:
     @property
     def collapse_head(self) -> nn.Module:
         """The module whose input is the final pre-collapse residual (`model.hc_head`)."""
-        return self.model.model.hc_head
+        return self.text_model.hc_head
 
     @property
     def final_norm(self) -> nn.Module:
         """Applied after the collapse head and before `lm_head` (`model.norm`)."""
-        return self.model.model.norm
+        return self.text_model.norm
+
+    def as_streams(self, residual: torch.Tensor) -> torch.Tensor:
+        """The family's residual in the `[B, S, hc, D]` layout the drafter reads."""
+        return residual
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        """The family's own collapse of `[B, S, hc, D]` streams to `[B, S, D]` (before the final norm)."""
+        return self.collapse_head(streams)
 
     def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
         """The target's embedding of `token_ids`, computed where the embedding runs."""
@@ -93,6 +107,10 @@ class HyperConnectionTarget:
     def feature_device(self) -> torch.device:
         """Where the last decoder layer (and so the captured residual) runs; the drafter runs there."""
         return execution_device(self.collapse_head)
+
+    def init_inherited_gate(self, gate: nn.Module) -> None:
+        """Start a drafter's inherited gate as the target's own collapse: a copy of it (values, not storage)."""
+        gate.load_state_dict(self.collapse_head.state_dict())
 
     def make_cache(self, max_draft: int) -> Cache:
         """A target cache whose `crop` removes up to `max_draft` trailing tokens exactly."""
@@ -124,14 +142,18 @@ class HyperConnectionTarget:
         capture = FeatureCapture(layer_ids)
         if layer_ids is None:
             handles = [
-                self.collapse_head.register_forward_pre_hook(lambda _, args: capture.record("pre_collapse", args[0]))
+                self.collapse_head.register_forward_pre_hook(
+                    lambda _, args: capture.record("pre_collapse", self.as_streams(args[0]))
+                )
             ]
         else:
             bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
             if bad:
                 raise ValueError(f"target_layer_ids {bad} are outside the target's {self.num_layers} layers.")
             handles = [
-                self.decoder_layers[i].register_forward_hook(lambda _, __, out, i=i: capture.record(i, _states(out)))
+                self.decoder_layers[i].register_forward_hook(
+                    lambda _, __, out, i=i: capture.record(i, self.as_streams(_states(out)))
+                )
                 for i in layer_ids
             ]
         try:

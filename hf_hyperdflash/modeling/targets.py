@@ -11,8 +11,15 @@ from .feature_capture import FeatureCapture
 from .target_base import HyperConnectionTarget
 from .target_deepseek_v4 import DeepseekV4Target
 from .target_hy_v4 import HYV4Target
+from .target_linear_attention import Glm5NextTarget, Qwen4ExpTarget
 
-TARGET_FAMILIES: dict[str, type[HyperConnectionTarget]] = {"deepseek_v4": DeepseekV4Target, "hy_v4": HYV4Target}
+# By the target's `config.model_type`
+TARGET_FAMILIES: dict[str, type[HyperConnectionTarget]] = {
+    "deepseek_v4": DeepseekV4Target,
+    "hy_v4": HYV4Target,
+    "glm5_next": Glm5NextTarget,
+    "qwen4_exp_text": Qwen4ExpTarget,
+}
 # The architecture of a target as far as its drafter cares: shapes, layer schedule, vocabulary.
 FINGERPRINT_FIELDS = (
     "model_type",
@@ -20,6 +27,7 @@ FINGERPRINT_FIELDS = (
     "hidden_size",
     "num_hidden_layers",
     "hc_mult",
+    "hc_count",
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
@@ -53,6 +61,8 @@ def get_target_adapter(model: PreTrainedModel) -> HyperConnectionTarget:
 
 __all__ = [
     "DeepseekV4Target",
+    "Glm5NextTarget",
+    "Qwen4ExpTarget",
     "FeatureCapture",
     "HYV4Target",
     "HyperConnectionTarget",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..modeling.targets import DeepseekV4Target
+from ..modeling.targets import HyperConnectionTarget
 from .collator import IGNORE_INDEX
 from .options import TEACHERS  # the --teacher choices, defined where --help can read them without torch
 
@@ -50,7 +50,7 @@ def position_weights(block_size: int, gamma: float | None = None) -> torch.Tenso
 
 
 def teacher_logits(
-    target: DeepseekV4Target,
+    target: HyperConnectionTarget,
     residual: torch.Tensor,
     anchor_positions: torch.LongTensor,
     num_positions: int,
@@ -66,7 +66,7 @@ def teacher_logits(
         max=length - 1
     )
     picked = residual[torch.arange(batch, device=residual.device)[:, None], positions.flatten(1)]
-    collapsed = picked.mean(dim=2) if kind == "mean_pool" else target.collapse_head(picked)
+    collapsed = picked.mean(dim=2) if kind == "mean_pool" else target.collapse(picked)
     logits = target.lm_head(target.final_norm(collapsed))
     return logits.unflatten(1, positions.shape[1:])
 

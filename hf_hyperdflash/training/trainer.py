@@ -17,7 +17,13 @@ import torch
 from accelerate import Accelerator, PartialState
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    BitsAndBytesConfig,
+    PreTrainedModel,
+)
 
 from ..evaluation.runner import MethodResult
 from ..modeling.integration import check_compatible
@@ -115,11 +121,18 @@ def load_target(
         bits = {"load_in_8bit": True} if quantization == "8bit" else {"load_in_4bit": True}
         kwargs = {"device_map": {"": device}} | kwargs | {"quantization_config": BitsAndBytesConfig(**bits)}
     check_target_path(path)
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    target = target_auto_class(path).from_pretrained(path, dtype=dtype, **kwargs)
     get_target_adapter(target)  # a clear error for unsupported families
     if "device_map" not in kwargs:
         target.to(device)
     return target.eval().requires_grad_(False)
+
+
+def target_auto_class(path: str | Path) -> type:
+    """The Auto class that builds the target's generating model: a causal LM, or (GLM-5-Next) the image-text-to-text
+    model whose text half is the mHC language model."""
+    config = AutoConfig.from_pretrained(path)
+    return AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
 
 
 def build_drafter(
@@ -257,7 +270,8 @@ def train_drafter(
     block_size = drafter.config.block_size
     if losses.kl_positions > block_size - 1:
         raise ValueError(f"`kl_positions` ({losses.kl_positions}) exceeds the {block_size - 1} drafted slots.")
-    pad_token_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+    pad_token_id = target.config.get_text_config().pad_token_id
+    pad_token_id = pad_token_id if pad_token_id is not None else 0
     collate = BlockCollator(block_size, anchors_per_sequence, pad_token_id=pad_token_id, seed=loop.seed)
     module = run_training(
         DrafterWithFrozenTarget(drafter, target, losses),

@@ -1,0 +1,127 @@
+"""`RewindableHybridCache` on GLM-5-Next (KDA) and Qwen4-Exp (GatedDeltaNet, PLE conv and n-gram states): after any
+sequence of multi-token forwards and rollbacks, the cache equals one that decoded the kept tokens one at a time.
+
+Property test: 1,000 random speculative sessions per family (prompt of 1-16 tokens, then up to 4 steps that each
+feed 1-6 tokens and roll back a random number of them, as verification does). After every step, every
+linear-attention state (recurrent, conv, PLE conv, n-gram history) and the next-token logits must match a stock cache
+that received the kept tokens one by one (its prompt as one prefill), within 1e-5 in fp32; the history kept stays
+bounded by `max_draft`.
+"""
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_hyperdflash.modeling.cache_linear_attention import RewindableLinearAttentionLayer
+from hf_hyperdflash.modeling.targets import get_target_adapter
+from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
+from hf_hyperdflash.testing import tiny_glm5_next, tiny_qwen4_exp
+
+SESSIONS = 1000
+MAX_DRAFT = 6
+TOLERANCE = 1e-5
+FAMILIES = {"glm5_next": tiny_glm5_next, "qwen4_exp": tiny_qwen4_exp}
+# Two layers (linear attention, then indexed attention) keep 2,000 sessions inside a CI budget
+SMALL = {"num_hidden_layers": 2, "layer_types": ["linear_attention", "indexed_attention"]}
+SMALL_MLP = {"glm5_next": {"mlp_layer_types": ["dense", "dense"], "indexer_types": ["full", "full"]}}
+SMALL_MLP["qwen4_exp"] = {"ple_layer_ids": [1], "num_experts": 2, "num_experts_per_tok": 1}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    model = FAMILIES[request.param](seed=0, **SMALL, **SMALL_MLP[request.param])
+    return request.param, model, get_target_adapter(model)
+
+
+def _forward(model, cache, token_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=token_ids, use_cache=True, **{CACHE_ARGUMENT: cache}).logits[:, -1]
+
+
+def _linear_states(cache) -> list[torch.Tensor]:
+    states = []
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            states.append(layer.recurrent_states[0])
+            states += [
+                layer.conv_states[i].float() for i in range(layer.number_of_states) if layer.conv_states[i] is not None
+            ]
+    return states
+
+
+def test_random_speculative_sessions_match_token_by_token_decoding(family):
+    name, model, target = family
+    rng = random.Random(0)
+    worst = 0.0
+    with target.verify_as_decoding(prompt_length=0):
+        for session in range(SESSIONS):
+            generator = torch.Generator().manual_seed(session)
+            prompt = torch.randint(3, 512, (1, rng.randint(1, 16)), generator=generator)
+            if session % 4 == 0:  # an EOS inside the prompt: Qwen4-Exp's n-grams restart after it
+                prompt[0, rng.randrange(prompt.shape[1])] = 2
+            cache, reference = target.make_cache(max_draft=MAX_DRAFT), DynamicCache(config=target.config)
+            _forward(model, cache, prompt)
+            _forward(model, reference, prompt)
+            for _ in range(rng.randint(1, 4)):
+                fed = torch.randint(3, 512, (1, rng.randint(1, MAX_DRAFT)), generator=generator)
+                _forward(model, cache, fed)
+                kept = rng.randint(0, fed.shape[1])
+                cache.crop(kept - fed.shape[1])
+                for token in fed[0, :kept]:
+                    _forward(model, reference, token.view(1, 1))
+                for ours, theirs in zip(_linear_states(cache), _linear_states(reference), strict=True):
+                    worst = max(worst, (ours - theirs).abs().max().item())
+            assert cache.get_seq_length() == reference.get_seq_length()
+            probe = torch.tensor([[7]])
+            worst = max(worst, (_forward(model, cache, probe) - _forward(model, reference, probe)).abs().max().item())
+    assert worst < TOLERANCE, f"{name}: largest difference {worst:.2e}"
+
+
+def test_kept_history_is_bounded_by_max_draft(family):
+    _, model, target = family
+    cache = target.make_cache(max_draft=MAX_DRAFT)
+    with target.verify_as_decoding(prompt_length=0):
+        _forward(model, cache, torch.randint(3, 512, (1, 64), generator=torch.Generator().manual_seed(0)))
+        for step in range(40):
+            _forward(model, cache, torch.randint(3, 512, (1, 5), generator=torch.Generator().manual_seed(step)))
+            cache.crop(-2)
+    for layer in cache.layers:
+        if isinstance(layer, RewindableLinearAttentionLayer):
+            kept_tokens = sum(forward.num_tokens for forward in layer.forwards)
+            assert kept_tokens <= 3 * MAX_DRAFT + 1 and len(layer.forwards) <= MAX_DRAFT + 1
+
+
+def test_rolling_back_beyond_max_draft_is_refused_and_leaves_the_cache_untouched(family):
+    _, model, target = family
+    cache = target.make_cache(max_draft=3)
+    with target.verify_as_decoding(prompt_length=0):
+        _forward(model, cache, torch.randint(3, 512, (1, 10), generator=torch.Generator().manual_seed(1)))
+        _forward(model, cache, torch.randint(3, 512, (1, 3), generator=torch.Generator().manual_seed(2)))
+    before = [state.clone() for state in _linear_states(cache)]
+    with pytest.raises(ValueError, match="shortest reachable length is 10"):
+        cache.crop(-4)
+    assert cache.get_seq_length() == 13
+    assert all(torch.equal(a, b) for a, b in zip(before, _linear_states(cache), strict=True))
+
+
+def test_a_state_stored_without_a_recorded_kernel_is_an_error(family):
+    _, model, target = family
+    with pytest.raises(RuntimeError, match="without a recorded kernel call"):
+        _forward(model, target.make_cache(max_draft=2), torch.tensor([[5, 6, 7]]))
+
+
+def test_stock_crop_leaves_the_recurrent_state_where_rejected_tokens_put_it(family):
+    """Negative control: what the stock cache does with past recording (transformers 5.23/5.24)."""
+    _, model, target = family
+    stock, reference = DynamicCache(config=target.config), DynamicCache(config=target.config)
+    stock.activate_past_recording()
+    prompt = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(3))
+    _forward(model, stock, prompt)
+    _forward(model, reference, prompt)
+    _forward(model, stock, torch.tensor([[9, 10, 11]]))
+    stock.crop(-3)
+    pairs = zip(_linear_states(stock), _linear_states(reference), strict=True)
+    differences = [(a - b).abs().max().item() for a, b in pairs]
+    assert max(differences) > 1e-4
