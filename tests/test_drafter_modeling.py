@@ -9,10 +9,22 @@ import textwrap
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    DeepseekV4Config,
+    DynamicCache,
+    Glm5NextConfig,
+    HYV4Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen4ExpTextConfig,
+)
 
 from hf_hyperdflash.modeling.configuration_hyperdflash import DEFAULT_CONTEXT_WINDOW, HyperDFlashConfig
-from hf_hyperdflash.modeling.modeling_hyperdflash import HyperDFlashForDrafting, spread_target_layers
+from hf_hyperdflash.modeling.modeling_hyperdflash import (
+    HyperDFlashForDrafting,
+    drafter_config_for,
+    spread_target_layers,
+)
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 HIDDEN, HC_MULT = 64, 4
@@ -310,3 +322,13 @@ def test_new_drafters_get_the_measured_window_and_old_checkpoints_keep_the_whole
     del config["context_window"]  # as saved before the field existed
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert HyperDFlashForDrafting.from_pretrained(tmp_path).config.context_window is None
+
+
+def test_drafter_configs_for_every_family_flagship_are_valid():
+    """Default draft-layer sizes follow the target's hidden size; HY-V4's 2816 gives 22 heads, so the KV heads must
+    be a divisor of it (about a quarter), not 22 // 4."""
+    for target_config in (DeepseekV4Config(), HYV4Config(), Glm5NextConfig().text_config, Qwen4ExpTextConfig()):
+        config = drafter_config_for(target_config)
+        assert config.num_attention_heads % config.num_key_value_heads == 0
+        assert 1 <= config.num_attention_heads // config.num_key_value_heads <= 11
+    assert drafter_config_for(DeepseekV4Config()).num_key_value_heads == 8  # unchanged for V4-Flash

@@ -175,3 +175,9 @@ def test_train_and_eval_commands(family, tmp_path):
     results = json.loads((tmp_path / REPORT_FILES["json"]).read_text())
     (method,) = [m for m in results["settings"][0]["methods"] if m["name"] == family]
     assert method["lossless"] == method["compared"] == 2
+
+
+def test_a_glm5_next_drafter_card_loads_the_target_with_its_auto_class(tmp_path):
+    HyperDFlashForDrafting.from_target(tiny_glm5_next(seed=0)).save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "target = AutoModelForImageTextToText.from_pretrained(" in card and "glm5_next_text" in card

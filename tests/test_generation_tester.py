@@ -16,7 +16,7 @@ import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
-from hf_hyperdflash.testing import OracleProposer, oracle_drafting
+from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_glm5_next, tiny_qwen4_exp
 
 SEEDS = range(10)
 PROMPT_TOKENS = 7
@@ -191,3 +191,29 @@ def test_stock_drafting_matches_greedy_search(assistant):
         assert_similar_outputs(assisted, plain)
         for output in (plain, assisted):
             check_generate_outputs(output, target.config)
+
+
+LINEAR_FAMILIES = {"glm5_next": tiny_glm5_next, "qwen4_exp": tiny_qwen4_exp}
+
+
+@pytest.mark.parametrize("family", sorted(LINEAR_FAMILIES))
+@pytest.mark.parametrize("assistant", ["prompt-lookup", "stock-same", "stock-random"])
+def test_stock_drafting_on_the_linear_attention_families_matches_greedy_search(family, assistant):
+    """The same test on the other stateful mHC families (tiny GLM-5-Next and Qwen4-Exp, 2 indexer heads, eager
+    attention), with the tester's inputs, mask and generate() arguments."""
+    for seed in range(5):
+        target = LINEAR_FAMILIES[family](seed=seed)
+        target.set_attn_implementation("eager")
+        inputs = upstream_tester_inputs(seed)
+        plain = target.generate(**inputs, **generation_kwargs())
+        if assistant == "prompt-lookup":
+            drafting = {"prompt_lookup_num_tokens": 2, "max_matching_ngram_size": 2}
+        else:
+            model = target if assistant == "stock-same" else LINEAR_FAMILIES[family](seed=seed + 100)
+            model.generation_config.num_assistant_tokens = 2
+            model.generation_config.num_assistant_tokens_schedule = "constant"
+            drafting = {"assistant_model": model}
+        assisted = target.generate(**inputs, **drafting, **generation_kwargs())
+        assert_similar_outputs(assisted, plain)
+        assert len(assisted.attentions) == len(assisted.hidden_states) == NEW_TOKENS
+        assert [a.shape[-2] for a in assisted.attentions[0]] == [PROMPT_TOKENS] * len(assisted.attentions[0])

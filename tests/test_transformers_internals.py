@@ -222,3 +222,22 @@ def test_assisted_decoding_splits_attentions_with_the_decoder_attention_flag():
     assert attention_calls and all(len(call.args) == 4 for call in calls)
     assert all(_keywords(call) <= {"is_decoder_attention"} for call in calls)
     assert any(getattr(call.args[1], "attr", None) == "attentions" for call in attention_calls)
+
+
+@pytest.mark.parametrize("family", ["glm5_next", "qwen4_exp_text"])
+def test_linear_attention_forwards_call_their_kernels_by_module_name(family):
+    """`cache_linear_attention.recording_kernels` swaps the family's delta-rule kernels as module functions for one
+    call, and replays them with the recorded inputs: the forward must look them up by name, with these inputs."""
+    from hf_hyperdflash.modeling.targets import TARGET_FAMILIES
+
+    adapter = TARGET_FAMILIES[family]
+    module = adapter.kernel_module
+    forward_class = next(
+        cls for name, cls in vars(module).items() if name.endswith(("LinearAttention", "GatedDeltaNet"))
+    )
+    forward = ast.parse(textwrap.dedent(inspect.getsource(forward_class.forward)))
+    for name in adapter.kernel_names:
+        assert _calls(forward, name), f"{forward_class.__name__}.forward no longer calls {name}"
+        parameters = inspect.signature(getattr(module, name)).parameters
+        assert {"query", "key", "value", "g", "beta", "initial_state", "output_final_state"} <= set(parameters)
+    assert _calls(forward, "update_recurrent_state")  # where the rewindable layer closes a forward

@@ -8,7 +8,8 @@ forwards a rollback can reach (at most `max_draft` tokens back), each forward's 
 recurrent state) and its inputs: the conv columns it appended and the delta-rule kernel's inputs. Rolling back into
 a forward re-runs the family's own kernel over the tokens kept, from that forward's starting state, and rebuilds the
 conv windows from the kept columns. Verify forwards run at full speed; only a rejection pays, and only for the
-accepted part of one block.
+accepted part of one block, replayed token by token with the one-token kernel decoding uses
+(`benchmarks/linear_rollback.py` measures the alternatives).
 
 The delta-rule kernels return only their final state, so `recording_kernels` wraps them (module functions of the
 family's modeling file, for one call) to hand each call's inputs to the cache layer that stores its state next.
@@ -28,6 +29,7 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import LinearAttentionLayer
 
 KERNEL_INPUTS = ("query", "key", "value", "g", "beta")
+STEPWISE_REPLAY_MAX = 64  # longer replays (trimming a prefill) use the chunked kernel
 _NOT_REPLAYED = ("initial_state", "output_final_state", "cu_seqlens")
 _latest_calls: list[KernelCall] = []  # kernel calls not yet claimed by a cache layer (one at a time in practice)
 
@@ -37,6 +39,7 @@ class KernelCall:
     """One delta-rule kernel call: the unwrapped kernel, its per-token inputs `[B, S, ...]` and its other options."""
 
     kernel: Callable
+    step_kernel: Callable  # the family's one-token kernel, which decoding uses
     inputs: dict[str, torch.Tensor]
     options: dict
 
@@ -45,16 +48,26 @@ class KernelCall:
         return self.inputs["query"].shape[1]
 
     def final_state(self, num_tokens: int, initial_state: torch.Tensor | None) -> torch.Tensor:
-        """The recurrent state after the first `num_tokens` tokens, from `initial_state`."""
+        """The recurrent state after the first `num_tokens` tokens, from `initial_state`: token by token with the
+        one-token kernel, as decoding computes it (and on CPU far cheaper than the chunked kernel for a few tokens),
+        or chunked for a long stretch (trimming a prefill)."""
         inputs = {name: tensor[:, :num_tokens] for name, tensor in self.inputs.items()}
-        _, state = self.kernel(**inputs, initial_state=initial_state, output_final_state=True, **self.options)
+        if num_tokens > STEPWISE_REPLAY_MAX:
+            return self.kernel(**inputs, initial_state=initial_state, output_final_state=True, **self.options)[1]
+        accepted = set(inspect.signature(self.step_kernel).parameters)
+        options = {name: value for name, value in self.options.items() if name in accepted}
+        state = initial_state
+        for i in range(num_tokens):
+            token = {name: tensor[:, i : i + 1] for name, tensor in inputs.items()}
+            state = self.step_kernel(**token, initial_state=state, output_final_state=True, **options)[1]
         return state
 
     def slice(self, start: int, stop: int) -> KernelCall:
-        return KernelCall(self.kernel, {name: t[:, start:stop] for name, t in self.inputs.items()}, self.options)
+        inputs = {name: t[:, start:stop] for name, t in self.inputs.items()}
+        return KernelCall(self.kernel, self.step_kernel, inputs, self.options)
 
 
-def _recording(kernel: Callable) -> Callable:
+def _recording(kernel: Callable, step_kernel: Callable) -> Callable:
     signature = inspect.signature(kernel)
 
     @functools.wraps(kernel)
@@ -64,18 +77,19 @@ def _recording(kernel: Callable) -> Callable:
         arguments |= arguments.pop("kwargs", {})
         inputs = {name: arguments.pop(name) for name in KERNEL_INPUTS}
         options = {name: value for name, value in arguments.items() if name not in _NOT_REPLAYED}
-        _latest_calls.append(KernelCall(kernel, inputs, options))
+        _latest_calls.append(KernelCall(kernel, step_kernel, inputs, options))
         return kernel(*args, **kwargs)
 
     return recorded
 
 
 @contextmanager
-def recording_kernels(module: ModuleType, names: tuple[str, ...]) -> Iterator[None]:
-    """For one call: every call of `module.<name>` hands its inputs to the rewindable layer that stores its state."""
-    originals = {name: getattr(module, name) for name in names}
+def recording_kernels(module: ModuleType, chunked: str, one_token: str) -> Iterator[None]:
+    """For one call: every call of the family's chunked and one-token delta-rule kernels (`module.<name>`) hands its
+    inputs to the rewindable layer that stores its state."""
+    originals = {name: getattr(module, name) for name in (chunked, one_token)}
     for name, kernel in originals.items():
-        setattr(module, name, _recording(kernel))
+        setattr(module, name, _recording(kernel, originals[one_token]))
     try:
         yield
     finally:

@@ -317,6 +317,22 @@ def uses_stock_drafting(model: PreTrainedModel, bound: inspect.BoundArguments) -
     return bound.arguments.get("assistant_model") is not None or lookup is not None
 
 
+def _prefill_without_draft(generator) -> None:
+    """The first forward is the prompt alone, as plain decoding's prefill. Stock generators draft already there, and
+    a forward of prompt and draft can differ in its prompt rows (GLM-5-Next's indexer pools tokens by position, so
+    the draft changes the pools; measured with a padded mask)."""
+    get_candidates = generator.get_candidates
+    prefilled = []
+
+    def candidates(input_ids: torch.LongTensor, *args, **kwargs):
+        if not prefilled:
+            prefilled.append(True)
+            return input_ids, None
+        return get_candidates(input_ids, *args, **kwargs)
+
+    generator.get_candidates = candidates
+
+
 def stock_drafting_generate(original_generate: Callable, target_model: PreTrainedModel, bound: inspect.BoundArguments):
     """Prompt lookup or a stock same-family assistant (transformers' own candidate generators) on a stateful mHC
     target: the target, and the assistant, get caches that roll back exactly."""
@@ -344,6 +360,7 @@ def stock_drafting_generate(original_generate: Callable, target_model: PreTraine
 
     def candidate_generator(**options):
         generator = build_candidate_generator(**options)
+        _prefill_without_draft(generator)
         if assistant is not None:
             assistant_target = get_target_adapter(assistant)
             generator.assistant_kwargs[CACHE_ARGUMENT] = assistant_target.make_cache(max_draft=max_draft)

@@ -66,9 +66,11 @@ def model_card(config, repo_id: str, measured_tau: float | None = None) -> str:
     }
     table = "\n".join(["| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows.items())])
     tau = "" if measured_tau is None else f"Measured tau (accepted length per verify step): {measured_tau:.2f}.\n\n"
+    # GLM-5-Next's generating model is an image-text-to-text one, whose text half is the mHC language model
+    auto_class = "AutoModelForImageTextToText" if target_type == "glm5_next_text" else "AutoModelForCausalLM"
     usage = f"""```python
-from transformers import AutoModel, AutoModelForCausalLM
-target = AutoModelForCausalLM.from_pretrained("{target or "TARGET"}", dtype="auto", device_map="auto")
+from transformers import AutoModel, {auto_class}
+target = {auto_class}.from_pretrained("{target or "TARGET"}", dtype="auto", device_map="auto")
 drafter = AutoModel.from_pretrained("{repo_id}", trust_remote_code=True, dtype="auto")
 out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
 ```"""

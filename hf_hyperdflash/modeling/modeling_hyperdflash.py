@@ -207,7 +207,8 @@ def drafter_config_for(target_config: PretrainedConfig, **overrides) -> HyperDFl
         "target_fingerprint": target_fingerprint(target_config),
         "head_dim": head_dim,
         "num_attention_heads": num_heads,
-        "num_key_value_heads": max(1, num_heads // 4),
+        # GQA with about 4 query heads per KV head, on a divisor of the head count (HY-V4's 2816 gives 22 heads)
+        "num_key_value_heads": max(d for d in range(1, max(1, num_heads // 4) + 1) if num_heads % d == 0),
         "intermediate_size": 3 * hidden,
         "context_window": DEFAULT_CONTEXT_WINDOW,
         **overrides,

@@ -29,7 +29,7 @@ from .transformers_compat import CACHE_ARGUMENT
 
 class LinearAttentionTarget(HyperConnectionTarget):
     kernel_module: ModuleType
-    kernel_names: tuple[str, ...]
+    kernel_names: tuple[str, str]  # the chunked and the one-token delta-rule kernels
 
     def make_cache(self, max_draft: int) -> RewindableHybridCache:
         return RewindableHybridCache(self.config, max_draft=max_draft)
@@ -49,7 +49,7 @@ class LinearAttentionTarget(HyperConnectionTarget):
 
     def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
         """The delta-rule kernels hand their inputs to the cache, which replays them on a rollback."""
-        return recording_kernels(self.kernel_module, self.kernel_names)
+        return recording_kernels(self.kernel_module, *self.kernel_names)
 
 
 class Glm5NextTarget(LinearAttentionTarget):

@@ -27,7 +27,6 @@ FINGERPRINT_FIELDS = (
     "hidden_size",
     "num_hidden_layers",
     "hc_mult",
-    "hc_count",
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
@@ -44,6 +43,8 @@ FINGERPRINT_FIELDS = (
 def target_fingerprint(config: PretrainedConfig) -> str:
     """A short hash of the target config's architecture fields: equal configs, equal fingerprints."""
     described = {name: getattr(config, name, None) for name in FINGERPRINT_FIELDS}
+    if hasattr(config, "hc_count"):  # Qwen4-Exp's stream count; absent elsewhere, so those hashes stay as they were
+        described["hc_count"] = config.hc_count
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -37,6 +37,10 @@ pinned by a test in `tests/test_transformers_internals.py`, run on both versions
 - `generation.utils._split_model_outputs(outputs, new_outputs, cur_len, added_len, is_decoder_attention=...)`:
   replaced for one call by `output_split.split_per_token`
   (test_assisted_decoding_splits_attentions_with_the_decoder_attention_flag)
+- GLM-5-Next's and Qwen4-Exp's linear-attention forwards: call their delta-rule kernels by module name with
+  query/key/value/g/beta/initial_state and store the state last (`cache_linear_attention.py`)
+  (test_linear_attention_forwards_call_their_kernels_by_module_name); `LinearAttentionLayer` conv and recurrent
+  state methods (tests/test_linear_attention_cache.py)
 - the cache argument's name, `CACHE_ARGUMENT` below (test_cache_argument_is_the_installed_versions)
 """
 
