@@ -201,7 +201,7 @@ LINEAR_FAMILIES = {"glm5_next": tiny_glm5_next, "qwen4_exp": tiny_qwen4_exp}
 def test_stock_drafting_on_the_linear_attention_families_matches_greedy_search(family, assistant):
     """The same test on the other stateful mHC families (tiny GLM-5-Next and Qwen4-Exp, 2 indexer heads, eager
     attention), with the tester's inputs, mask and generate() arguments."""
-    for seed in range(5):
+    for seed in range(3):
         target = LINEAR_FAMILIES[family](seed=seed)
         target.set_attn_implementation("eager")
         inputs = upstream_tester_inputs(seed)

@@ -31,7 +31,7 @@ def _mask(pattern: str) -> torch.Tensor:
     return mask
 
 
-def _pairs(kind: str, pattern: str, seeds=range(4), **options):
+def _pairs(kind: str, pattern: str, seeds=range(2), **options):
     """(plain, speculative) outputs per seed, drafts mostly accepted, every step a multi-token verify."""
     options = {"max_new_tokens": NEW_TOKENS, "do_sample": False} | options
     for seed in seeds:
@@ -67,7 +67,8 @@ def test_sampled_output_with_a_padded_mask_under_a_fixed_seed():
 def test_without_the_fix_verification_differs(monkeypatch):
     """Negative control: stock HCA masking in verify forwards changes the output (transformers 5.23/5.24)."""
     monkeypatch.setattr(target_deepseek_v4, "hca_visibility_as_decoding", lambda *_: contextlib.nullcontext())
-    assert any(not torch.equal(plain, speculative) for plain, speculative in _pairs("hyperdflash", "leading"))
+    pairs = _pairs("hyperdflash", "leading", seeds=range(4))
+    assert any(not torch.equal(plain, speculative) for plain, speculative in pairs)
 
 
 def test_block_bias_rows_of_generated_tokens_follow_the_cache_and_prompt_rows_the_positions():

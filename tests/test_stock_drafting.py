@@ -16,7 +16,7 @@ FAMILIES = {
     "glm5_next": tiny_glm5_next,
     "qwen4_exp": tiny_qwen4_exp,
 }
-SEEDS = {"deepseek_v4": range(6), "glm5_next": range(3), "qwen4_exp": range(3)}
+SEEDS = {"deepseek_v4": range(4), "glm5_next": range(2), "qwen4_exp": range(2)}
 NEW_TOKENS = 24
 OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_hidden_states=True, output_attentions=True)
 
@@ -64,7 +64,7 @@ def test_stock_drafting_is_plain_greedy_decoding(family, kind):
                 for a, b in pairs:
                     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         target_forwards = len(forwards)
-    if kind == "prompt-lookup":  # drafts from the repeated half were accepted: fewer forwards than tokens
+    if kind == "prompt-lookup" and family == "deepseek_v4":  # these targets continue the repetition: drafts accepted
         assert target_forwards < NEW_TOKENS * len(SEEDS[family])
 
 

@@ -181,8 +181,8 @@ class RewindableLinearAttentionLayer(LinearAttentionLayer):
         forward = _Forward(self.length, self._windows, self._recurrent, _latest_calls.pop())
         for i in self._conv_indices():
             # A one-token decode step may update the window in place (no `update_conv_state` call): its new column
-            # is the window's last one
-            forward.columns[i] = self._appended.get(i, self.conv_states[i][..., -1:])
+            # is the window's last one (copied: the next step shifts the window in place)
+            forward.columns[i] = self._appended[i] if i in self._appended else self.conv_states[i][..., -1:].clone()
             forward.windows_before.setdefault(i, self.conv_states[i].new_zeros(self.conv_states[i].shape))
         self.forwards.append(forward)
         self.length = forward.end
