@@ -15,6 +15,7 @@ from torch import nn
 from transformers import Cache, PreTrainedModel
 
 from .feature_capture import FeatureCapture
+from .transformers_compat import CACHE_ARGUMENT
 
 
 def execution_device(module: nn.Module) -> torch.device:
@@ -119,6 +120,20 @@ class HyperConnectionTarget:
     def check_cache(self, cache: Cache, max_draft: int) -> None:
         """Raise `ValueError` unless a cache the user passed in can rewind a draft of `max_draft` tokens."""
         raise NotImplementedError
+
+    def _check_rewindable(self, cache: Cache, max_draft: int, cache_class: str) -> None:
+        """`cache` is a `cache_class` (by name, so a cache from another copy of the runtime passes) that can rewind a
+        draft of `max_draft` tokens."""
+        if not any(klass.__name__ == cache_class for klass in type(cache).__mro__):
+            raise ValueError(
+                f"Speculative decoding needs a rewindable target cache, got {type(cache).__name__} ({self.family} "
+                f"needs a {cache_class}). Omit `{CACHE_ARGUMENT}` (one is created for you)."
+            )
+        if cache.max_draft < max_draft:
+            raise ValueError(
+                f"The target cache passed in can rewind {cache.max_draft} tokens, but this drafter drafts {max_draft} "
+                f"per step. Build it with {cache_class}(config, max_draft={max_draft}), or omit `{CACHE_ARGUMENT}`."
+            )
 
     def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
         """For one call: whatever makes a verify forward's rows equal one-token decoding's (nothing by default)."""

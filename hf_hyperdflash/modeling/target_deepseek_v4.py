@@ -11,12 +11,6 @@ from transformers import Cache
 from .cache_deepseek_v4 import RewindableDeepseekV4Cache
 from .compressed_visibility import hca_visibility_as_decoding
 from .target_base import HyperConnectionTarget
-from .transformers_compat import CACHE_ARGUMENT
-
-
-def is_rewindable_cache(cache: object) -> bool:
-    """By class name, so a cache made by one copy of the runtime is accepted by another."""
-    return any(klass.__name__ == "RewindableDeepseekV4Cache" for klass in type(cache).__mro__)
 
 
 class DeepseekV4Target(HyperConnectionTarget):
@@ -29,17 +23,7 @@ class DeepseekV4Target(HyperConnectionTarget):
         return RewindableDeepseekV4Cache(config=self.config, max_draft=max_draft)
 
     def check_cache(self, cache: Cache, max_draft: int) -> None:
-        if not is_rewindable_cache(cache):
-            raise ValueError(
-                f"Speculative decoding needs a rewindable target cache, got {type(cache).__name__}. "
-                f"Omit `{CACHE_ARGUMENT}` (one is created for you)."
-            )
-        if cache.max_draft < max_draft:
-            raise ValueError(
-                f"The target cache passed in can rewind {cache.max_draft} tokens, but this drafter drafts {max_draft} "
-                f"per step. Build it with RewindableDeepseekV4Cache(config, max_draft={max_draft}), or omit "
-                f"`{CACHE_ARGUMENT}`."
-            )
+        self._check_rewindable(cache, max_draft, "RewindableDeepseekV4Cache")
 
     def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
         """A verify forward's rows see the compressed entries one-token decoding sees, also when a padded prompt
@@ -77,4 +61,4 @@ class DeepseekV4Target(HyperConnectionTarget):
         return torch.cat([sliding, torch.arange(compressed_start, compressed_start + num_compressed)])
 
 
-__all__ = ["DeepseekV4Target", "is_rewindable_cache"]
+__all__ = ["DeepseekV4Target"]

@@ -24,7 +24,6 @@ from transformers import Cache
 
 from .cache_linear_attention import RewindableHybridCache, recording_kernels
 from .target_base import HyperConnectionTarget
-from .transformers_compat import CACHE_ARGUMENT
 
 
 class LinearAttentionTarget(HyperConnectionTarget):
@@ -35,17 +34,7 @@ class LinearAttentionTarget(HyperConnectionTarget):
         return RewindableHybridCache(self.config, max_draft=max_draft)
 
     def check_cache(self, cache: Cache, max_draft: int) -> None:
-        if not any(klass.__name__ == "RewindableHybridCache" for klass in type(cache).__mro__):
-            raise ValueError(
-                f"Speculative decoding on {self.family} needs a cache whose linear-attention states roll back, got "
-                f"{type(cache).__name__}. Omit `{CACHE_ARGUMENT}` (one is created for you)."
-            )
-        if cache.max_draft < max_draft:
-            raise ValueError(
-                f"The target cache passed in can rewind {cache.max_draft} tokens, but this call drafts up to "
-                f"{max_draft} per step. Build it with RewindableHybridCache(config, max_draft={max_draft}), or omit "
-                f"`{CACHE_ARGUMENT}`."
-            )
+        self._check_rewindable(cache, max_draft, "RewindableHybridCache")
 
     def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
         """The delta-rule kernels hand their inputs to the cache, which replays them on a rollback."""
