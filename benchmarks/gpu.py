@@ -30,7 +30,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.demo import compare_decoding
-from hf_hyperdflash.modeling.draft_policy import ADAPTIVE_SCHEDULE, SCHEDULES
+from hf_hyperdflash.modeling.draft_options import ADAPTIVE_SCHEDULE, SCHEDULES
 from hf_hyperdflash.modeling.targets import get_target_adapter
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 

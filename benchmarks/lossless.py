@@ -45,7 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from hf_hyperdflash import HyperDFlashForDrafting, reference
 from hf_hyperdflash.evaluation.prompts import chat_prompt_ids, held_out_prompts
 from hf_hyperdflash.evaluation.runner import MethodResult
-from hf_hyperdflash.modeling.draft_policy import SCHEDULES
+from hf_hyperdflash.modeling.draft_options import SCHEDULES
 from hf_hyperdflash.testing import OracleProposer, chi_square_p_value, oracle_drafting, tiny_deepseek_v4
 
 UNTRAINED, ORACLE = "untrained-hyperdflash", "oracle"

@@ -16,20 +16,25 @@ import sys
 __version__ = "0.2.0"
 
 _RUNTIME_NAMES = {  # public name -> the module that defines it
-    "DeepseekV4MTPConfig": ".modeling",
-    "DeepseekV4MTPForDrafting": ".modeling",
+    "DeepseekV4MTPConfig": ".modeling.configuration_deepseek_v4_mtp",
+    "DeepseekV4MTPForDrafting": ".modeling.drafting",
     "GenerationStats": ".modeling.generation_stats",
-    "HyperDFlashConfig": ".modeling",
-    "HyperDFlashForDrafting": ".modeling",
+    "HyperDFlashConfig": ".modeling.configuration_hyperdflash",
+    "HyperDFlashForDrafting": ".modeling.drafting",
 }
 
 
 @functools.cache
 def _load_runtime() -> None:
-    """Import the runtime (it installs the generate() integration); register its configs with the Auto classes."""
+    """Install the generate() integration; register the drafters' configs with the Auto classes."""
     from transformers import AutoConfig, AutoModel
 
-    from .modeling import DeepseekV4MTPConfig, DeepseekV4MTPForDrafting, HyperDFlashConfig, HyperDFlashForDrafting
+    from .modeling.configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
+    from .modeling.configuration_hyperdflash import HyperDFlashConfig
+    from .modeling.drafting import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+    from .modeling.integration import install_generate_integration
+
+    install_generate_integration()
 
     AutoConfig.register(HyperDFlashConfig.model_type, HyperDFlashConfig, exist_ok=True)
     AutoModel.register(HyperDFlashConfig, HyperDFlashForDrafting, exist_ok=True)

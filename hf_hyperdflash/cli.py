@@ -7,25 +7,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 
+from .command_errors import run_command
 from .demo import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT, DEFAULT_REPEATS, expected_duration
 from .evaluation import options as eval_options
 from .training import options as train_options
-
-# Bad input, by the project's convention: a ValueError whose message names the problem and the fix.
-USER_ERRORS = (ValueError, FileNotFoundError)
-
-
-def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """`run(args)`; a user mistake (USER_ERRORS) ends it the way argparse does: one line
-    `PROG: error: MESSAGE` on stderr, exit status 2, no traceback."""
-    try:
-        return run(args)
-    except USER_ERRORS as error:
-        message = " ".join(str(error).split())  # one line, whatever the message's layout
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -19,7 +19,8 @@ from transformers import (
     Qwen4ExpTextConfig,
 )
 
-from hf_hyperdflash.modeling.configuration_hyperdflash import DEFAULT_CONTEXT_WINDOW, HyperDFlashConfig
+from hf_hyperdflash.modeling.configuration_hyperdflash import HyperDFlashConfig
+from hf_hyperdflash.modeling.draft_options import DEFAULT_CONTEXT_WINDOW
 from hf_hyperdflash.modeling.modeling_hyperdflash import (
     HyperDFlashForDrafting,
     drafter_config_for,
@@ -80,6 +81,7 @@ def test_from_target_copies_hc_head_and_reproduces_it(target):
     assert drafter.config.max_position_embeddings == target.config.max_position_embeddings
     x = torch.randn(2, 7, HC_MULT, HIDDEN)
     with torch.no_grad():
+        # Exact: the same module class with bit-copied weights on the same input; the mean over one layer is a no-op
         assert torch.equal(drafter.reducer(x), head(x))
 
     # Copies, not shared storage or submodules: the target's embedding/head never come along.
@@ -101,7 +103,7 @@ def test_from_target_intermediate_follows_dflash_layer_choice():
 def test_intermediate_defaults_to_the_dflash_spread_and_copies_every_gate(target):
     assert drafter_for(target, conditioning="intermediate").config.target_layer_ids == [1]
     drafter = drafter_for(target, conditioning="intermediate", target_layer_ids=[0, 3])
-    for gate in drafter.reducer.hc_heads:
+    for gate in drafter.reducer.hc_heads:  # exact: parameters copied, no arithmetic
         assert torch.equal(gate.hc_fn, target.model.hc_head.hc_fn)
         assert torch.equal(gate.hc_base, target.model.hc_head.hc_base)
 
@@ -141,6 +143,7 @@ def test_training_mask_isolates_blocks(target):
     other_anchor = anchors.clone()
     other_anchor[:, 1] += 1.0
     changed = draft(drafter, later, other_anchor, anchor_positions)
+    # Exact: same shapes and kernels, and the changed keys get exactly zero attention weight from block 1
     torch.testing.assert_close(changed[:, block1], base[:, block1], rtol=0, atol=0)
     assert not torch.allclose(changed[:, block2], base[:, block2])
 
@@ -203,9 +206,10 @@ def test_save_load_roundtrip_offline_without_the_library(target, tmp_path):
     config = json.loads((save_dir / "config.json").read_text())
     assert config["auto_map"] == {
         "AutoConfig": "configuration_hyperdflash.HyperDFlashConfig",
-        "AutoModel": "modeling_hyperdflash.HyperDFlashForDrafting",
+        "AutoModel": "drafting.HyperDFlashForDrafting",
     }
-    assert {"configuration_hyperdflash.py", "modeling_hyperdflash.py"} <= {p.name for p in save_dir.iterdir()}
+    expected_files = {"configuration_hyperdflash.py", "modeling_hyperdflash.py", "drafting.py"}
+    assert expected_files <= {p.name for p in save_dir.iterdir()}
     with safe_open(save_dir / "model.safetensors", "pt") as weights:
         assert set(weights.keys()) == set(drafter.state_dict())
 
@@ -217,7 +221,7 @@ def test_save_load_roundtrip_offline_without_the_library(target, tmp_path):
         case = torch.load({str(tmp_path / "case.pt")!r})
         with torch.no_grad():
             out = model(**case["inputs"]).last_hidden_state
-        assert torch.equal(out, case["expected"]), (out - case["expected"]).abs().max()
+        torch.testing.assert_close(out, case["expected"], rtol=1e-5, atol=1e-5)  # a fresh process: own threads
         assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
         assert model.config.target_layer_ids == [0, 3] and model.config.reducer == "dense"
         assert model.generation_config.num_assistant_tokens == 3
@@ -269,6 +273,7 @@ def test_generation_config_and_init(target):
     assert drafter.generation_config.num_assistant_tokens_schedule == "adaptive"
     assert 0.01 < drafter.mask_embedding.std().item() < 0.03
     gate = drafter.reducer.hc_heads[0]
+    # Exact: constant initialisation, no arithmetic
     assert torch.equal(gate.hc_base, torch.zeros(HC_MULT)) and torch.equal(gate.hc_scale, torch.ones(1))
     assert torch.equal(drafter.norm.weight, torch.ones(HIDDEN))
 
@@ -306,7 +311,8 @@ def test_context_window_bounds_the_cache_and_sees_only_the_last_positions(target
         cache = windowed.make_context_cache()
         for start, end in chunks:
             out = draft(windowed, target_hidden[:, start:end], anchor, [[end]], positions[:, start:end], cache=cache)
-        assert torch.equal(out, only_last), chunks
+        # Chunked windowed-cache forwards vs one forward: other shapes, other kernel paths (6e-7 apart on an EPYC)
+        torch.testing.assert_close(out, only_last, rtol=1e-5, atol=1e-5, msg=lambda m, c=chunks: f"{c}: {m}")
         assert cache.get_seq_length() == 12 and all(layer.keys.shape[-2] == 5 for layer in cache.layers)
     training = draft(windowed, target_hidden, anchor, [[12]], positions)  # no cache: the training path
     torch.testing.assert_close(training, only_last, rtol=1e-5, atol=1e-5)

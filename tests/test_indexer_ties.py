@@ -22,6 +22,7 @@ def test_topk_keeps_the_score_order_and_puts_earlier_entries_first_among_ties():
     scores = torch.tensor([[[3.0, 0.0, 0.0, 5.0, 0.0, 3.0]], [[0.0, 0.0, 0.0, 0.0, 1.0, float("-inf")]]])
     values, indices = topk_ties_by_position(scores, 4, dim=-1)
     assert indices.tolist() == [[[3, 0, 5, 1]], [[4, 0, 1, 2]]]
+    # Exact: top-k selects input values (small integers), it computes none
     assert values.tolist() == [[[5.0, 3.0, 3.0, 0.0]], [[1.0, 0.0, 0.0, 0.0]]]
     assert torch.equal(values, scores.topk(4, dim=-1).values)  # the same values as stock top-k
 

@@ -103,6 +103,7 @@ def test_rolling_back_beyond_max_draft_is_refused_and_leaves_the_cache_untouched
     with pytest.raises(ValueError, match="shortest reachable length is 10"):
         cache.crop(-4)
     assert cache.get_seq_length() == 13
+    # Exact: a refused crop does no arithmetic; the states must be the very values cloned before
     assert all(torch.equal(a, b) for a, b in zip(before, _linear_states(cache), strict=True))
 
 

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
-from hf_hyperdflash.modeling.targets import target_fingerprint
+from hf_hyperdflash.modeling.target_fingerprint import target_fingerprint
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 
@@ -79,7 +79,7 @@ def test_push_to_hub_uploads_what_save_pretrained_writes(target, monkeypatch):
     assert upload["repo_id"] == "org/hyperdflash-tiny" and upload["message"] == "first"
     files = upload["files"]
     expected = {"config.json", "generation_config.json", "model.safetensors", "README.md", "modeling_hyperdflash.py"}
-    assert expected | {"integration.py", "draft_policy.py"} <= set(files)
+    assert expected | {"drafting.py", "integration.py", "draft_policy.py"} <= set(files)
     card = files["README.md"].decode()
     assert "name: org/hyperdflash-tiny" in card or '"name": "org/hyperdflash-tiny"' in card
     assert 'AutoModel.from_pretrained("org/hyperdflash-tiny", trust_remote_code=True' in card

@@ -75,6 +75,7 @@ def test_block_bias_rows_of_generated_tokens_follow_the_cache_and_prompt_rows_th
     # cache indices 14..17 (prompt of 16 tokens), position ids lagging by 5, compress rate 4, 4 entries
     position_ids = torch.tensor([[9, 10, 11, 12]])
     bias = decoding_block_bias(4, position_ids, cache_end=18, prompt_length=16, compress_rate=4)
+    # Exact float comparisons: the bias is filled with the constants 0.0 and -inf, not computed
     visible = (bias == 0).sum(-1).flatten().tolist()
     assert visible == [(9 + 1) // 4, (10 + 1) // 4, (16 + 1) // 4, (17 + 1) // 4]
     assert bias.shape == (1, 1, 4, 4) and set(bias.unique().tolist()) == {0.0, float("-inf")}

@@ -53,7 +53,7 @@ def test_plan_command_on_a_saved_config(target, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["target_parameters"] == sum(p.numel() for p in target.parameters())
     assert main(["plan", "--target-config", str(tmp_path), "--block-size", "4", "--tau", "2"]) == 0
-    assert json.loads(capsys.readouterr().out)["expected"]["tau"] == 2.0
+    assert json.loads(capsys.readouterr().out)["expected"]["tau"] == 2.0  # exact: the --tau value passed through
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--target-config", str(tmp_path / "missing.json")])
     assert exit_info.value.code == 2

@@ -8,7 +8,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModel
 
 from hf_hyperdflash import HyperDFlashForDrafting, reference
-from hf_hyperdflash.modeling.targets import target_fingerprint
+from hf_hyperdflash.modeling.target_fingerprint import target_fingerprint
 from hf_hyperdflash.reference.build import export_drafters, train_language_model
 from hf_hyperdflash.testing import tiny_deepseek_v4
 from hf_hyperdflash.training.loop import LoopConfig

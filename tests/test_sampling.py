@@ -109,8 +109,8 @@ def speculative_samples(
                     PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, assistant_model=drafter, **settings
                 )
                 counts[int((out[0, PROMPT.shape[1] :] * place_values).sum())] += 1
-                accepted += drafter.last_generation_stats["accepted_per_step"]
-                proposed += drafter.last_generation_stats["proposed_per_step"]
+                accepted += drafter.last_generation_stats.accepted_per_step
+                proposed += drafter.last_generation_stats.proposed_per_step
     return counts, accepted, proposed
 
 

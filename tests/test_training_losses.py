@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hf_hyperdflash.modeling.targets import DeepseekV4Target
+from hf_hyperdflash.modeling.target_deepseek_v4 import DeepseekV4Target
 from hf_hyperdflash.testing import tiny_deepseek_v4
 from hf_hyperdflash.training.collator import IGNORE_INDEX
 from hf_hyperdflash.training.losses import LossConfig, block_losses, position_weights, teacher_logits
@@ -25,7 +25,7 @@ def target():
 def test_position_weights_decay_with_gamma_scaled_to_the_block():
     assert torch.allclose(position_weights(16), torch.exp(-torch.arange(15.0) / 7))
     assert torch.allclose(position_weights(8), torch.exp(-torch.arange(7.0) / (7 * 7 / 15)))
-    assert torch.equal(position_weights(4, gamma=math.inf), torch.ones(3))
+    assert torch.equal(position_weights(4, gamma=math.inf), torch.ones(3))  # exact: exp(-k / inf) = exp(-0.0) = 1
 
 
 def test_cross_entropy_is_the_decay_weighted_mean_over_valid_slots():

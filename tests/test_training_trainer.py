@@ -11,17 +11,12 @@ from transformers import AutoModel
 
 import hf_hyperdflash  # noqa: F401  (generate() integration for the tau evaluation)
 from hf_hyperdflash import HyperDFlashForDrafting
+from hf_hyperdflash.loading import load_target
 from hf_hyperdflash.testing import tiny_deepseek_v4
 from hf_hyperdflash.training.curves import read_log
 from hf_hyperdflash.training.loop import LoopConfig
 from hf_hyperdflash.training.losses import LossConfig
-from hf_hyperdflash.training.trainer import (
-    DrafterWithFrozenTarget,
-    build_drafter,
-    load_target,
-    optimizer_factory,
-    train_drafter,
-)
+from hf_hyperdflash.training.trainer import DrafterWithFrozenTarget, build_drafter, optimizer_factory, train_drafter
 
 PROMPT_LENGTH = 6
 
@@ -157,11 +152,12 @@ def test_lora_finetune_saves_a_plain_drafter_that_loads(target, examples, tmp_pa
     base = HyperDFlashForDrafting.from_pretrained(base_dir)
     q_proj = "layers.0.self_attn.q_proj.weight"
     assert not torch.allclose(merged.state_dict()[q_proj], base.state_dict()[q_proj]), "LoRA update merged"
+    # Exact: frozen under LoRA and untouched by the merge, so the saved bits come back
     assert torch.equal(merged.state_dict()["mask_embedding"], base.state_dict()["mask_embedding"])
 
     merged.save_pretrained(tmp_path / "merged")
     loaded = AutoModel.from_pretrained(tmp_path / "merged", trust_remote_code=True)
-    for key, value in merged.state_dict().items():
+    for key, value in merged.state_dict().items():  # exact: a safetensors round trip copies the bits
         assert torch.equal(loaded.state_dict()[key], value), key
 
     with pytest.raises(ValueError, match="only apply to a new drafter"):
@@ -178,7 +174,9 @@ def test_vanilla_dflash_trains_on_intermediate_layers_in_bf16_with_accumulation(
     )
     with torch.no_grad():
         layer_outputs = target.model(input_ids=input_ids, output_hidden_states=True).hidden_states
-    assert torch.equal(features, torch.cat([layer_outputs[2], layer_outputs[3]], dim=2)), "outputs of layers 1, 2"
+    # Two target forwards (hooks with use_cache=False vs output_hidden_states with a cache): float tolerance
+    expected = torch.cat([layer_outputs[2], layer_outputs[3]], dim=2)
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"layers 1, 2: {m}")
 
     before = drafter.reducer.proj.weight.detach().clone()
     config = loop(total_steps=2, mixed_precision="bf16", gradient_accumulation_steps=2)

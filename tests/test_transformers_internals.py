@@ -1,4 +1,4 @@
-"""The transformers internals the runtime relies on (listed in `hf_hyperdflash/modeling/transformers_compat.py`) are
+"""The transformers internals the runtime relies on (listed in `modeling/transformers_compat.py`) are
 still there and still behave as assumed, on every supported transformers version (CI runs this on 5.23 and 5.24).
 
 Speculative decoding runs inside transformers' own `_assisted_decoding`, with our candidate generator swapped in
@@ -20,6 +20,7 @@ import transformers.generation.utils as generation_utils
 from packaging.requirements import Requirement
 from packaging.version import Version
 from transformers import DynamicCache, GenerationConfig, GenerationMixin
+from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -29,6 +30,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4PreTrainedModel,
 )
 
+import hf_hyperdflash.modeling
 from hf_hyperdflash.modeling import candidate_generator, transformers_compat
 from hf_hyperdflash.modeling.indexer_ties import INDEXER_CLASSES
 from hf_hyperdflash.testing import tiny_deepseek_v4
@@ -121,9 +123,17 @@ def test_assisted_decoding_reports_matches_to_the_generator():
 
 
 def test_stateful_guard_is_checked_on_the_instance():
-    """We lift the guard by setting `_is_stateful` on the target instance for one call."""
+    """We lift the guard for one call and one instance through a descriptor on the class that defines
+    `_is_stateful` (`call_scope.lifted_stateful_guard`), so generate() must read it from the instance."""
     assert "self._is_stateful" in inspect.getsource(GenerationMixin._validate_generation_mode)
-    assert DeepseekV4PreTrainedModel._is_stateful is True
+    assert "_is_stateful" in vars(DeepseekV4PreTrainedModel) and DeepseekV4PreTrainedModel._is_stateful is True
+
+
+def test_relative_import_files_follows_the_entry_modules_imports():
+    """Saving a drafter copies `drafting.py` and what it imports (`remote_code.py`), listed by this function."""
+    entry = Path(hf_hyperdflash.modeling.__file__).with_name("drafting.py")
+    names = {Path(path).name for path in get_relative_import_files(str(entry))}
+    assert {"integration.py", "modeling_hyperdflash.py", "modeling_deepseek_v4_mtp.py", "call_scope.py"} <= names
 
 
 def test_speculative_sampling_is_a_module_function_fed_the_drafters_logits():
@@ -212,7 +222,7 @@ def test_one_token_hca_forward_sees_every_compressed_entry_and_longer_ones_mask_
         lagging = torch.tensor([[4, 5]])  # positions 4, 5: before the first HCA window closes
         kv, bias = compressor(hidden.expand(1, 2, -1), q_residual.expand(1, 2, -1), lagging, cache, layer_idx)
     assert one_token_bias is None and kv.shape[2] == 2
-    assert (bias == float("-inf")).all()
+    assert (bias == float("-inf")).all()  # exact: a mask filled with -inf, not computed
 
 
 def test_assisted_decoding_splits_attentions_with_the_decoder_attention_flag():

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoTokenizer
 
 from .. import reference
-from ..cli import run_command
-from ..training.trainer import check_target_path, check_tokenizer_path, load_target
+from ..command_errors import run_command
+from ..loading import check_target_path, check_tokenizer_path, load_target
 from . import options
 from .datasets import load_prompt_set
 from .harness import build_methods, check_drafter, evaluate, reference_drafter_dirs, reference_mtp_dir

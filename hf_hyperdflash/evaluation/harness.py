@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import reference
-from ..modeling.draft_policy import ADAPTIVE_SCHEDULE
+from ..modeling.draft_options import DEFAULT_SCHEDULE
 from ..modeling.integration import check_compatible
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
 from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
@@ -101,7 +101,7 @@ def build_methods(
     drafter_dirs: dict[str, Path],
     draft_tokens: dict[str, int] | None = None,
     dtype: torch.dtype = torch.float32,
-    schedules: Sequence[str] = (ADAPTIVE_SCHEDULE,),
+    schedules: Sequence[str] = (DEFAULT_SCHEDULE,),
     untrained: bool = False,
 ) -> list[Method]:
     """Plain decoding, native MTP at each depth in `mtp_steps`, the named drafters (in the given order), then an
@@ -127,7 +127,7 @@ def build_methods(
         speculative.append(Method("untrained", drafter))
     methods = [Method("plain")]
     for schedule in schedules:
-        suffix = "" if schedule == ADAPTIVE_SCHEDULE else f"-{schedule}"
+        suffix = "" if schedule == DEFAULT_SCHEDULE else f"-{schedule}"
         methods += [dataclasses.replace(m, name=m.name + suffix, schedule=schedule) for m in speculative]
     names = [method.name for method in methods]
     duplicates = sorted({name for name in names if names.count(name) > 1})

@@ -19,19 +19,20 @@ Output: OUTPUT_DIR/report.md (also printed), results.json, acceptance.png.
 """
 
 # This module is the command's help text (its docstring) and option table; it imports neither torch nor
-# transformers, so `hyperdflash --help` and `hyperdflash eval --help` answer at once. The run is in command.py.
+# transformers (draft_options is plain constants), so `hyperdflash eval --help` answers at once. The run is in
+# command.py.
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from ..modeling.draft_options import DEFAULT_SCHEDULE, SCHEDULES
 from .datasets import PROMPT_SETS
 
 POOL_SEPARATOR = "+"  # "a+b": one side of a tau ratio made of several methods (paired.pool_members)
 MODES = {"non-thinking": False, "thinking": True}
 DTYPES = ("float32", "bfloat16")  # --dtype, torch dtype names
-SCHEDULES = ("adaptive", "constant")  # --schedules: modeling.draft_policy.SCHEDULES, named here without torch
 
 
 def _two_parts(text: str, separator: str, form: str) -> tuple[str, str]:
@@ -130,7 +131,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--schedules",
         nargs="+",
         choices=list(SCHEDULES),
-        default=[SCHEDULES[0]],
+        default=[DEFAULT_SCHEDULE],
         help="Draft schedules, each speculative method once per schedule: adaptive (the drafters' default: draft "
         "length chosen each step, drafting skipped where it does not pay) and constant (every step drafts k; such "
         "methods are named NAME-constant) (default: adaptive).",

@@ -20,7 +20,12 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..decoding import decoding_settings
-from ..modeling.generation_stats import acceptance_per_position, mean_accepted_length, per_decoding_step
+from ..modeling.generation_stats import (
+    GenerationStats,
+    acceptance_per_position,
+    mean_accepted_length,
+    per_decoding_step,
+)
 from ..modeling.step_timer import synchronized_clock
 
 LATENCY_PARTS = ("draft", "verify", "rollback")
@@ -69,18 +74,18 @@ class MethodResult:
     speed_ratios: list[float] = field(default_factory=list)  # per prompt: tokens/s over plain decoding's
     runs: list[dict] = field(default_factory=list)  # per prompt: tokens, seconds, drafts accepted, identical
 
-    def record(self, stats: dict) -> None:
+    def record(self, stats: GenerationStats) -> None:
         """Add the `last_generation_stats` of one `generate` call."""
-        self.num_draft_tokens = stats["num_draft_tokens"]
-        self.new_tokens += stats["new_tokens"]
-        self.target_forwards += stats["target_forwards"]
-        self.decoding_steps += max(stats["target_forwards"] - 1, 0)
-        self.skipped_steps += stats["skipped_steps"]
-        self.accepted_per_step += stats["accepted_per_step"]
-        self.proposed_per_step += stats["proposed_per_step"]
-        self.timed_steps += len(stats["step_seconds"])
+        self.num_draft_tokens = stats.num_draft_tokens
+        self.new_tokens += stats.new_tokens
+        self.target_forwards += stats.target_forwards
+        self.decoding_steps += stats.decoding_steps
+        self.skipped_steps += stats.skipped_steps
+        self.accepted_per_step += stats.accepted_per_step
+        self.proposed_per_step += stats.proposed_per_step
+        self.timed_steps += len(stats.step_seconds)
         for part in self.latency_seconds:
-            self.latency_seconds[part] += sum(stats[f"{part}_seconds"])
+            self.latency_seconds[part] += sum(getattr(stats, f"{part}_seconds"))
 
     @property
     def tau(self) -> float:
@@ -94,7 +99,7 @@ class MethodResult:
 
     @property
     def drafted_per_step(self) -> float:
-        """Drafts sent to verification per decoding step, skipped steps included (as 0)."""
+        """`GenerationStats.drafted_per_step`, pooled over calls."""
         return per_decoding_step(sum(self.proposed_per_step), self.decoding_steps)
 
     @property
@@ -181,7 +186,7 @@ def _counting_forwards(model: PreTrainedModel) -> Iterator[list[int]]:
 
 def _decode(
     target: PreTrainedModel, method: Method, input_ids: torch.LongTensor, seed: int, settings: dict
-) -> tuple[torch.Tensor, float, dict]:
+) -> tuple[torch.Tensor, float, GenerationStats]:
     """One timed `generate` call: (output ids, seconds, generation stats)."""
     assistant = {"assistant_model": method.drafter} if method.drafter is not None else {}
     context = method.context(input_ids) if method.context is not None else nullcontext()
@@ -195,12 +200,9 @@ def _decode(
     return output, seconds, _plain_stats(output.shape[1] - input_ids.shape[1], forwards[0])
 
 
-def _plain_stats(new_tokens: int, target_forwards: int) -> dict:
-    """Plain decoding's run in the shape of `last_generation_stats`: no drafts, no verify steps."""
-    per_step = ["accepted_per_step", "proposed_per_step", "step_seconds", *(f"{p}_seconds" for p in LATENCY_PARTS)]
-    no_steps = {key: [] for key in per_step}
-    counts = {"num_draft_tokens": 0, "new_tokens": new_tokens, "target_forwards": target_forwards, "skipped_steps": 0}
-    return counts | no_steps
+def _plain_stats(new_tokens: int, target_forwards: int) -> GenerationStats:
+    """Plain decoding's run as `last_generation_stats`: no drafts, no verify steps."""
+    return GenerationStats(num_draft_tokens=0, target_forwards=target_forwards, new_tokens=new_tokens)
 
 
 def _prompt_record(prompt_tokens: int) -> dict:
@@ -242,10 +244,10 @@ def run_methods(
                 output, seconds, stats = _decode(target, methods[m], input_ids, run_seed, settings)
                 results[m].record(stats)
                 outputs[m].append(output)
-                runs[m]["new_tokens"].append(stats["new_tokens"])
+                runs[m]["new_tokens"].append(stats.new_tokens)
                 runs[m]["seconds"].append(seconds)
-                runs[m]["accepted_drafts"] += sum(stats["accepted_per_step"])
-                runs[m]["verify_steps"] += len(stats["accepted_per_step"])
+                runs[m]["accepted_drafts"] += sum(stats.accepted_per_step)
+                runs[m]["verify_steps"] += len(stats.accepted_per_step)
                 if progress is not None:
                     progress.update(1)
         speeds = [statistics.median(n / s for n, s in zip(r["new_tokens"], r["seconds"], strict=True)) for r in runs]

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, DeepseekV4ForCausalLM, PreTrainedModel, 
 from ..chat_format import synthetic_reasoning, train_chat_tokenizer
 from ..modeling.modeling_deepseek_v4_mtp import DeepseekV4MTPForDrafting
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
-from ..modeling.targets import DeepseekV4Target
+from ..modeling.target_deepseek_v4 import DeepseekV4Target
 from ..sharegpt import Conversation, load_conversations
 from ..testing import randomize_hash_table
 from ..training.curves import plot_curves

@@ -13,7 +13,8 @@ from accelerate import Accelerator
 from transformers import AutoTokenizer
 
 from .. import reference
-from ..cli import run_command
+from ..command_errors import run_command
+from ..loading import check_target_path, check_tokenizer_path, load_target
 from ..modeling.strict_loading import check_drafter_path
 from ..prompts import encode_prompt, load_prompts
 from . import options
@@ -23,14 +24,7 @@ from .loop import LoopConfig
 from .losses import LossConfig
 from .options import DEFAULTS, DRAFTER_KINDS, add_train_arguments, resolve_settings
 from .replies import load_replies
-from .trainer import (
-    build_drafter,
-    check_target_path,
-    check_tokenizer_path,
-    load_target,
-    optimizer_factory,
-    train_drafter,
-)
+from .trainer import build_drafter, optimizer_factory, train_drafter
 
 __all__ = ["DEFAULTS", "DRAFTER_KINDS", "add_train_arguments", "main", "resolve_settings", "run_train"]
 

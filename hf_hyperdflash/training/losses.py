@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..modeling.targets import HyperConnectionTarget
+from ..modeling.target_base import HyperConnectionTarget
 from .collator import IGNORE_INDEX
 from .options import TEACHERS  # the --teacher choices, defined where --help can read them without torch
 

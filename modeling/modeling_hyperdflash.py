@@ -21,18 +21,14 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextGatedResidual, Qwen4ExpTextRMSNorm
 
-from .configuration_hyperdflash import (
-    DEFAULT_CONTEXT_WINDOW,
-    GATED_RESIDUAL_TARGETS,
-    TARGET_MODEL_TYPES,
-    HyperDFlashConfig,
-)
-from .draft_policy import ADAPTIVE_SCHEDULE
-from .integration import install_generate_integration
+from .configuration_hyperdflash import GATED_RESIDUAL_TARGETS, TARGET_MODEL_TYPES, HyperDFlashConfig
+from .draft_options import DEFAULT_CONTEXT_WINDOW, DEFAULT_SCHEDULE
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
+from .remote_code import RemoteCodeMixin
 from .strict_loading import StrictLoadingMixin
-from .targets import get_target_adapter, target_fingerprint
+from .target_fingerprint import target_fingerprint
+from .targets import get_target_adapter
 
 
 def spread_target_layers(num_target_layers: int, count: int) -> list[int]:
@@ -225,7 +221,7 @@ def drafter_config_for(target_config: PretrainedConfig, **overrides) -> HyperDFl
     return config
 
 
-class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel):
+class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, PreTrainedModel):
     """Drafts a block of `block_size - 1` tokens after each anchor in one non-causal forward.
 
     The conditioning residual is reduced to one vector per context position (`reducer`), normalised (`hidden_norm`)
@@ -248,7 +244,7 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         # Draft length in transformers' assistant convention; derived from the config, so it survives save/load.
         self.generation_config = GenerationConfig(
-            num_assistant_tokens=config.block_size - 1, num_assistant_tokens_schedule=ADAPTIVE_SCHEDULE
+            num_assistant_tokens=config.block_size - 1, num_assistant_tokens_schedule=DEFAULT_SCHEDULE
         )
         self.post_init()
 
@@ -385,4 +381,3 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, PreTrainedModel
 
 
 HyperDFlashForDrafting.register_for_auto_class("AutoModel")
-install_generate_integration()  # a remote-code folder has no package __init__: loading this class is the hook

@@ -1,17 +1,15 @@
-"""Configuration of the HyperDFlash drafter (Hugging Face remote code: imports only transformers)."""
+"""Configuration of the HyperDFlash drafter (also the Hub's remote code, so it imports transformers and nothing
+heavier)."""
 
 from transformers import PreTrainedConfig
+
+from .draft_options import BLOCK_DRAFTER_TYPE
 
 REDUCERS = ("inherited_gate", "dense")
 CONDITIONINGS = ("pre_collapse", "intermediate")
 TARGET_MODEL_TYPES = ("deepseek_v4", "hy_v4", "glm5_next_text", "qwen4_exp_text")
 # Target families whose collapse is a gated residual over a flat `[B, S, hc * D]` stream (the others: V4's head form)
 GATED_RESIDUAL_TARGETS = ("qwen4_exp_text",)
-# What `from_target` (and so `hyperdflash train`) gives a new drafter: measured on the reference pair, every window
-# from 64 to 1,024 beats the whole context on long conversations and 512 also edges it on the main prompts
-# (docs/results.md, benchmarks/context_window_tau.py). A config without the field (saved before it existed) keeps
-# the whole context, as it was trained and measured.
-DEFAULT_CONTEXT_WINDOW = 512
 
 
 class HyperDFlashConfig(PreTrainedConfig):
@@ -46,15 +44,15 @@ class HyperDFlashConfig(PreTrainedConfig):
         hc_lowrank (`int`, *optional*): rank of the inherited gate for Qwen4-Exp targets (the target's `hc_lowrank`).
         context_window (`int`, *optional*): the drafter attends to (and caches) only the target positions within
             this many places before each anchor, so its per-step cost and cache stay bounded at long context; the same
-            window applies in training. None keeps the whole context; `from_target` sets `DEFAULT_CONTEXT_WINDOW`.
+            window applies in training. None keeps the whole context (what a config saved without the field was
+            trained with); `from_target` sets `draft_options.DEFAULT_CONTEXT_WINDOW`.
         target_name_or_path (`str`, *optional*): the target this drafter was built for (Hub id or path), for the
             model card and for the warning when it runs with another target.
         target_fingerprint (`str`, *optional*): hash of that target's architecture config; generate() warns when
             the drafter runs with a target whose fingerprint differs.
     """
 
-    model_type = "hyperdflash"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    model_type = BLOCK_DRAFTER_TYPE
 
     vocab_size: int = 129280
     hidden_size: int = 4096

@@ -6,9 +6,9 @@ pinned by a test in `tests/test_transformers_internals.py`, run on both versions
 
 - `GenerationMixin.generate` signature: wrapped once, bound to find the assistant
   (test_generate_signature_has_what_the_wrapper_binds)
-- `GenerationMixin._get_candidate_generator`: replaced on the target instance for one call
+- `GenerationMixin._get_candidate_generator`: replaced for one call on the target instance (`call_scope.methods`)
   (test_assisted_decoding_builds_the_candidate_generator_with_keywords_only)
-- `GenerationMixin._get_stopping_criteria`: wrapped on the target instance for one call, to stop per token
+- `GenerationMixin._get_stopping_criteria`: wrapped for one call on the target instance, to stop per token
   (test_generate_builds_the_stopping_criteria_once_with_keywords_only)
 - `CandidateGenerator.model_kwargs_overrides`: feeds only the uncached part of the prompt on the first forward
   (test_generation.py::test_continuing_from_a_returned_cache_matches_plain_decoding)
@@ -16,8 +16,10 @@ pinned by a test in `tests/test_transformers_internals.py`, run on both versions
   (test_assisted_decoding_passes_model_outputs_when_the_generator_asks_for_them)
 - `update_candidate_strategy(input_ids, new_logits, n_matches)`: accepted drafts per step, for the stats
   (test_assisted_decoding_reports_matches_to_the_generator)
-- `PreTrainedModel._is_stateful`: lifted on the target instance for one call
-  (test_stateful_guard_is_checked_on_the_instance)
+- `PreTrainedModel._is_stateful`: a class attribute read from the instance; lifted for one call on the target
+  instance (`call_scope.lifted_stateful_guard`) (test_stateful_guard_is_checked_on_the_instance)
+- `dynamic_module_utils.get_relative_import_files`: what a saved drafter's entry module imports (`remote_code.py`)
+  (test_relative_import_files_follows_the_entry_modules_imports)
 - `GenerationMixin._prepare_generation_config`: the merged config, to refuse bad requests before any work
   (test_prepare_generation_config_returns_the_merged_config_and_model_kwargs)
 - `generation.utils._speculative_sampling`: verifies sampled drafts against our q
@@ -35,7 +37,7 @@ pinned by a test in `tests/test_transformers_internals.py`, run on both versions
   (test_attention_calls_its_compressor_with_positional_arguments,
   test_one_token_hca_forward_sees_every_compressed_entry_and_longer_ones_mask_by_position)
 - `generation.utils._split_model_outputs(outputs, new_outputs, cur_len, added_len, is_decoder_attention=...)`:
-  replaced for one call by `output_split.split_per_token`
+  replaced for one call (`call_scope.functions`) by `output_split.split_per_token`
   (test_assisted_decoding_splits_attentions_with_the_decoder_attention_flag)
 - GLM-5-Next's and Qwen4-Exp's linear-attention forwards: call their delta-rule kernels by module name with
   query/key/value/g/beta/initial_state and store the state last (`cache_linear_attention.py`)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import Cache, PreTrainedModel
 
+from .call_scope import CallHooks
 from .feature_capture import FeatureCapture
 from .transformers_compat import CACHE_ARGUMENT
 
@@ -153,26 +154,20 @@ class HyperConnectionTarget:
 
     @contextmanager
     def capture(self, layer_ids: Sequence[int] | None = None) -> Iterator[FeatureCapture]:
-        """Record the pre-collapse residual (layer_ids None) or the outputs of `layer_ids`, for every forward."""
+        """Record the pre-collapse residual (layer_ids None) or the outputs of `layer_ids`, for every forward made
+        in this context (a call in another thread, on the same model, is not recorded)."""
         capture = FeatureCapture(layer_ids)
-        if layer_ids is None:
-            handles = [
-                self.collapse_head.register_forward_pre_hook(
-                    lambda _, args: capture.record("pre_collapse", self.as_streams(args[0]))
+        bad = [i for i in layer_ids or [] if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} are outside the target's {self.num_layers} layers.")
+        with CallHooks() as hooks:
+            if layer_ids is None:
+                hooks.before(
+                    self.collapse_head, lambda _, args: capture.record("pre_collapse", self.as_streams(args[0]))
                 )
-            ]
-        else:
-            bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-            if bad:
-                raise ValueError(f"target_layer_ids {bad} are outside the target's {self.num_layers} layers.")
-            handles = [
-                self.decoder_layers[i].register_forward_hook(
-                    lambda _, __, out, i=i: capture.record(i, self.as_streams(_states(out)))
+            for i in layer_ids or []:
+                hooks.after(
+                    self.decoder_layers[i],
+                    lambda _, __, out, i=i: capture.record(i, self.as_streams(_states(out))),
                 )
-                for i in layer_ids
-            ]
-        try:
             yield capture
-        finally:
-            for handle in handles:
-                handle.remove()

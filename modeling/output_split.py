@@ -4,20 +4,21 @@ transformers' `_split_model_outputs` assumes `[B, S, D]` states and attention ke
 far. Neither holds for an mHC target: it cut the stream axis of a `[B, S, hc, D]` residual (`(1, k, 1, D)` per step
 instead of `(1, 1, hc, D)`), and DeepSeek-V4's keys are a sliding window followed by compressed entries, so cutting
 the key axis at the sequence length dropped the compressed columns. It also reads the first forward's generated
-rows from row 0, which holds the prompt when that forward carries a draft (prompt lookup does). During a speculative
-call it is replaced by `split_per_token`: each step takes the rows plain decoding's forward would have had (the
-prompt's, then one per token) on axis 1 of hidden states, and for attentions exactly the key columns that forward
-has, in its order, as the target adapter lays them out.
+rows from row 0, which holds the prompt when that forward carries a draft (prompt lookup does). For the duration of
+a speculative call, and for that call only, it is replaced by `split_per_token`: each step takes the rows plain
+decoding's forward would have had (the prompt's, then one per token) on axis 1 of hidden states, and for attentions
+exactly the key columns that forward has, in its order, as the target adapter lays them out.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 import transformers.generation.utils as generation_utils
+
+from . import call_scope
 
 # (layer index, cache length before the forward, queries in the forward, query row) -> key columns
 KeyColumns = Callable[[int, int, int, int], torch.Tensor]
@@ -59,19 +60,18 @@ def split_per_token(
     return outputs
 
 
-@contextmanager
 def outputs_split_per_token(
     one_token_columns: KeyColumns, prompt_columns: KeyColumns, prompt_cache_length: int
-) -> Iterator[None]:
-    """Use `split_per_token` inside `_assisted_decoding` for the duration of one call."""
-    previous = generation_utils._split_model_outputs
-    generation_utils._split_model_outputs = functools.partial(
-        split_per_token,
-        one_token_columns=one_token_columns,
-        prompt_columns=prompt_columns,
-        prompt_cache_length=prompt_cache_length,
-    )
-    try:
-        yield
-    finally:
-        generation_utils._split_model_outputs = previous
+) -> AbstractContextManager[None]:
+    """Use `split_per_token` inside `_assisted_decoding`, for this call only."""
+
+    def split(_original, *args, **kwargs):
+        return split_per_token(
+            *args,
+            **kwargs,
+            one_token_columns=one_token_columns,
+            prompt_columns=prompt_columns,
+            prompt_cache_length=prompt_cache_length,
+        )
+
+    return call_scope.functions(generation_utils, _split_model_outputs=split)

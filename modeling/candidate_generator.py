@@ -16,7 +16,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache_deepseek_v4 import RewindableDeepseekV4Cache
-from .draft_policy import ConstantDraftPolicy, StepRecord
+from .draft_policy import DraftPolicy, StepRecord
 from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
 from .step_timer import IterationTiming, StepTimer
@@ -182,14 +182,15 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
 
     def __init__(
         self,
+        *,
         proposer: BlockProposer | MTPProposer,
         capture: FeatureCapture,
         num_draft_tokens: int,
         max_length: int,
         pick: TokenPicker,
+        policy: DraftPolicy,
         stats: GenerationStats,
         timer: StepTimer,
-        policy: ConstantDraftPolicy,
     ):
         self.proposer, self.capture, self.pick, self.stats, self.policy = proposer, capture, pick, stats, policy
         self.num_draft_tokens, self.max_length = num_draft_tokens, max_length

@@ -12,12 +12,11 @@ nothing: their indexer masks by position ids in one-token forwards as well.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HCACompressor
+
+from .call_scope import CallHooks
 
 
 def decoding_block_bias(
@@ -51,17 +50,11 @@ def _hook(prompt_length: int):
     return as_decoding
 
 
-@contextmanager
-def hca_visibility_as_decoding(model: nn.Module, prompt_length: int) -> Iterator[None]:
+def hca_visibility_as_decoding(model: nn.Module, prompt_length: int) -> CallHooks:
     """For this call: verify rows of every HCA compressor in `model` see what one-token decoding sees."""
+    hooks = CallHooks()
     hook = _hook(prompt_length)
-    handles = [
-        module.register_forward_hook(hook, with_kwargs=True)
-        for module in model.modules()
-        if isinstance(module, DeepseekV4HCACompressor)
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    for module in model.modules():
+        if isinstance(module, DeepseekV4HCACompressor):
+            hooks.after(module, hook, with_kwargs=True)
+    return hooks

@@ -2,7 +2,8 @@
 
 from transformers import DeepseekV4Config
 
-from .targets import target_fingerprint
+from .draft_options import MTP_DRAFTER_TYPE
+from .target_fingerprint import target_fingerprint
 
 
 class DeepseekV4MTPConfig(DeepseekV4Config):
@@ -15,7 +16,7 @@ class DeepseekV4MTPConfig(DeepseekV4Config):
     `target_name_or_path` / `target_fingerprint` record the target it was built for (see HyperDFlashConfig).
     """
 
-    model_type = "deepseek_v4_mtp"
+    model_type = MTP_DRAFTER_TYPE
     target_name_or_path: str | None = None
     target_fingerprint: str | None = None
 

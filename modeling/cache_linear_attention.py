@@ -12,7 +12,8 @@ accepted part of one block, replayed token by token with the one-token kernel de
 (`benchmarks/linear_rollback.py` measures the alternatives).
 
 The delta-rule kernels return only their final state, so `recording_kernels` wraps them (module functions of the
-family's modeling file, for one call) to hand each call's inputs to the cache layer that stores its state next.
+family's modeling file, for one call and in that call only) to hand each call's inputs to the cache layer that stores
+its state next.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import LinearAttentionLayer
 
+from . import call_scope
+
 KERNEL_INPUTS = ("query", "key", "value", "g", "beta")
 STEPWISE_REPLAY_MAX = 64  # longer replays (trimming a prefill) use the chunked kernel
 _NOT_REPLAYED = ("initial_state", "output_final_state", "cu_seqlens")
-_latest_calls: list[KernelCall] = []  # kernel calls not yet claimed by a cache layer (one at a time in practice)
+_PENDING_KERNEL_CALLS = "linear_attention.pending_kernel_calls"  # call-scope entry: recorded, not yet stored
 
 
 @dataclass
@@ -67,35 +70,31 @@ class KernelCall:
         return KernelCall(self.kernel, self.step_kernel, inputs, self.options)
 
 
-def _recording(kernel: Callable, step_kernel: Callable) -> Callable:
-    signature = inspect.signature(kernel)
-
-    @functools.wraps(kernel)
-    def recorded(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        arguments = dict(bound.arguments)
-        arguments |= arguments.pop("kwargs", {})
-        inputs = {name: arguments.pop(name) for name in KERNEL_INPUTS}
-        options = {name: value for name, value in arguments.items() if name not in _NOT_REPLAYED}
-        _latest_calls.append(KernelCall(kernel, step_kernel, inputs, options))
-        return kernel(*args, **kwargs)
-
-    return recorded
-
-
 @contextmanager
 def recording_kernels(module: ModuleType, chunked: str, one_token: str) -> Iterator[None]:
     """For one call: every call of the family's chunked and one-token delta-rule kernels (`module.<name>`) hands its
-    inputs to the rewindable layer that stores its state."""
-    originals = {name: getattr(module, name) for name in (chunked, one_token)}
-    for name, kernel in originals.items():
-        setattr(module, name, _recording(kernel, originals[one_token]))
-    try:
+    inputs to the rewindable layer that stores its state next (within a call, forwards run one at a time)."""
+    step_kernel = call_scope.unwrapped(getattr(module, one_token))
+    pending: list[KernelCall] = []
+
+    def recorded(kernel: Callable, *args, **kwargs):
+        arguments = dict(_signature(kernel).bind(*args, **kwargs).arguments)
+        arguments |= arguments.pop("kwargs", {})
+        inputs = {name: arguments.pop(name) for name in KERNEL_INPUTS}
+        options = {name: value for name, value in arguments.items() if name not in _NOT_REPLAYED}
+        pending.append(KernelCall(kernel, step_kernel, inputs, options))
+        return kernel(*args, **kwargs)
+
+    with (
+        call_scope.scoped({_PENDING_KERNEL_CALLS: pending}),
+        call_scope.functions(module, **{chunked: recorded, one_token: recorded}),
+    ):
         yield
-    finally:
-        for name, kernel in originals.items():
-            setattr(module, name, kernel)
-        _latest_calls.clear()
+
+
+@functools.cache
+def _signature(kernel: Callable) -> inspect.Signature:
+    return inspect.signature(kernel)
 
 
 @dataclass
@@ -173,12 +172,13 @@ class RewindableLinearAttentionLayer(LinearAttentionLayer):
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         """Stored last in every linear-attention forward: the forward is complete, record it."""
         result = super().update_recurrent_state(recurrent_states, state_idx=state_idx, **kwargs)
-        if not _latest_calls:
+        pending = call_scope.current(_PENDING_KERNEL_CALLS)
+        if not pending:
             raise RuntimeError(
                 "A linear-attention state was stored without a recorded kernel call, so this cache cannot roll it "
                 "back. Run the forward inside the target adapter's `verify_as_decoding` (generate() does)."
             )
-        forward = _Forward(self.length, self._windows, self._recurrent, _latest_calls.pop())
+        forward = _Forward(self.length, self._windows, self._recurrent, pending.pop())
         for i in self._conv_indices():
             # A one-token decode step may update the window in place (no `update_conv_state` call): its new column
             # is the window's last one (copied: the next step shifts the window in place)

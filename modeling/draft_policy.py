@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import math
 import statistics
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-ADAPTIVE_SCHEDULE = "adaptive"
-CONSTANT_SCHEDULE = "constant"
-SCHEDULES = (ADAPTIVE_SCHEDULE, CONSTANT_SCHEDULE)
+from .draft_options import ADAPTIVE_SCHEDULE, CONSTANT_SCHEDULE
 
 
 @dataclass
@@ -120,13 +119,32 @@ class StepCosts:
         ]
 
 
-class ConstantDraftPolicy:
-    """Every step drafts and verifies `max_draft` tokens (transformers' "constant" schedule)."""
-
-    schedule = CONSTANT_SCHEDULE
+class DraftPolicy(ABC):
+    """What the candidate generator asks each step: whether to draft, whether a sequential drafter (one forward per
+    token) drafts one more, and how many of the drafts to verify; then it reports how the step went."""
 
     def __init__(self, max_draft: int):
         self.max_draft = max_draft
+
+    @abstractmethod
+    def should_draft(self) -> bool:
+        """Before the step: False decodes it plainly, with no drafter forward."""
+
+    @abstractmethod
+    def keep_drafting(self, confidences: Sequence[float]) -> bool:
+        """After each token of a sequential drafter, from the drafter's confidences so far."""
+
+    @abstractmethod
+    def choose(self, confidences: Sequence[float]) -> int:
+        """How many of the drafts (a prefix) to verify."""
+
+    @abstractmethod
+    def record(self, step: StepRecord) -> None:
+        """After the step: learn from how it went."""
+
+
+class ConstantDraftPolicy(DraftPolicy):
+    """Every step drafts and verifies `max_draft` tokens (transformers' "constant" schedule)."""
 
     def should_draft(self) -> bool:
         return True
@@ -141,14 +159,13 @@ class ConstantDraftPolicy:
         pass
 
 
-class AdaptiveDraftPolicy(ConstantDraftPolicy):
+class AdaptiveDraftPolicy(DraftPolicy):
     """Chooses each step's draft length for the most expected tokens per second (see the module docstring).
 
     Block drafters draft the whole block in one forward and `choose` how many drafts to verify; a drafter that spends
     one forward per token (native MTP) also asks `keep_drafting` after each one.
     """
 
-    schedule = ADAPTIVE_SCHEDULE
     max_backoff = 64  # plain steps between probes at most
     backoff_growth = 4  # each losing probe: 1, 4, 16, 64 plain steps before the next
     drafting_window = 16  # the drafted steps whose tokens and seconds decide whether drafting pays
@@ -220,7 +237,11 @@ class AdaptiveDraftPolicy(ConstantDraftPolicy):
             self.backoff = min(self.backoff_growth * self.backoff, self.max_backoff)
 
 
-def make_draft_policy(schedule: str, max_draft: int) -> ConstantDraftPolicy:
-    if schedule == ADAPTIVE_SCHEDULE:
-        return AdaptiveDraftPolicy(max_draft)
-    return ConstantDraftPolicy(max_draft)
+POLICIES: dict[str, type[DraftPolicy]] = {
+    ADAPTIVE_SCHEDULE: AdaptiveDraftPolicy,
+    CONSTANT_SCHEDULE: ConstantDraftPolicy,
+}
+
+
+def make_draft_policy(schedule: str, max_draft: int) -> DraftPolicy:
+    return POLICIES[schedule](max_draft)

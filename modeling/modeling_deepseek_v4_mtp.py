@@ -25,15 +25,15 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
-from .draft_policy import ADAPTIVE_SCHEDULE
-from .integration import DEFAULT_MTP_DEPTH, install_generate_integration
+from .draft_options import DEFAULT_MTP_DEPTH, DEFAULT_SCHEDULE
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
+from .remote_code import RemoteCodeMixin
 from .strict_loading import StrictLoadingMixin
 from .transformers_compat import CACHE_ARGUMENT
 
 
-class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, DeepseekV4PreTrainedModel):
+class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, DeepseekV4PreTrainedModel):
     """Inherits V4's weight init, fp32-kept modules and no-split rules; it is not a generator itself."""
 
     config_class = DeepseekV4MTPConfig
@@ -52,7 +52,7 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, DeepseekV4Pre
         self.rotary_emb = DeepseekV4RotaryEmbedding(config)
         self.post_init()
         self.generation_config = GenerationConfig(
-            num_assistant_tokens=DEFAULT_MTP_DEPTH, num_assistant_tokens_schedule=ADAPTIVE_SCHEDULE
+            num_assistant_tokens=DEFAULT_MTP_DEPTH, num_assistant_tokens_schedule=DEFAULT_SCHEDULE
         )
 
     @classmethod
@@ -105,4 +105,3 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, DeepseekV4Pre
 __all__ = ["DeepseekV4MTPForDrafting"]
 
 DeepseekV4MTPForDrafting.register_for_auto_class("AutoModel")
-install_generate_integration()  # a remote-code folder has no package __init__: loading this class is the hook

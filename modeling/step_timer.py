@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
+from .call_scope import CallHooks
+
 
 def synchronized_clock() -> float:
     """perf_counter once queued CUDA kernels are done, so a timed part includes its kernels."""
@@ -73,9 +75,7 @@ class StepTimer:
 
     @contextmanager
     def attach(self, model: PreTrainedModel, cache: Cache) -> Iterator[None]:
-        """Time `model`'s forwards (verify) and `cache.crop` (rollback) while `generate` runs."""
-        hooks = [model.register_forward_pre_hook(self._forward_started)]
-        hooks.append(model.register_forward_hook(self._forward_done))
+        """Time `model`'s forwards (verify) and `cache.crop` (rollback) while this call's `generate` runs."""
         crop = cache.crop
 
         def timed_crop(*args, **kwargs):
@@ -84,9 +84,10 @@ class StepTimer:
 
         cache.crop = timed_crop
         try:
-            yield
+            with CallHooks() as hooks:
+                hooks.before(model, self._forward_started)
+                hooks.after(model, self._forward_done)
+                yield
         finally:
-            for hook in hooks:
-                hook.remove()
             del cache.crop
             self._close(synchronized_clock())

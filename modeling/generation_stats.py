@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+from .draft_options import CONSTANT_SCHEDULE
 
 
 def mean_accepted_length(accepted_per_step: Sequence[int]) -> float:
@@ -36,12 +38,11 @@ def per_decoding_step(count: float, decoding_steps: int) -> float:
 class GenerationStats:
     """Per-step record of one call; `drafter.last_generation_stats` after `generate(..., assistant_model=drafter)`.
 
-    Read it as attributes or, for older code, as a mapping (`stats["mean_accepted_length"]`). Its repr is a one-line
-    summary; the per-step lists stay available for analysis.
+    Its repr is a one-line summary; the per-step lists stay available for analysis.
     """
 
     num_draft_tokens: int  # the most drafts one step may verify
-    schedule: str = "constant"  # the draft policy: "adaptive" (draft_policy.py) or "constant"
+    schedule: str = CONSTANT_SCHEDULE  # the draft policy (draft_options.SCHEDULES)
     target_forwards: int = 0
     new_tokens: int = 0
     seconds: float = 0.0  # wall time of the whole generate call
@@ -61,7 +62,7 @@ class GenerationStats:
         return max(self.target_forwards - 1, 0)
 
     @property
-    def mean_drafted_tokens(self) -> float:
+    def drafted_per_step(self) -> float:
         """Drafts sent to verification per decoding step (skipped steps count as 0)."""
         return per_decoding_step(sum(self.proposed_per_step), self.decoding_steps)
 
@@ -78,25 +79,10 @@ class GenerationStats:
     def acceptance_per_position(self) -> list[float]:
         return acceptance_per_position(self.accepted_per_step, self.proposed_per_step)
 
-    def as_dict(self) -> dict:
-        summary = {"mean_accepted_length": self.mean_accepted_length}
-        summary["acceptance_per_position"] = self.acceptance_per_position
-        summary["mean_drafted_tokens"] = self.mean_drafted_tokens
-        summary["skipped_share"] = self.skipped_share
-        return summary | {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def keys(self) -> list[str]:
-        return list(self.as_dict())
-
-    def __getitem__(self, key: str):
-        if key not in self.keys():
-            raise KeyError(f"{key!r}; GenerationStats holds {self.keys()}")
-        return getattr(self, key)
-
     def __repr__(self) -> str:
         acceptance = ", ".join(f"{rate:.2f}" for rate in self.acceptance_per_position)
         return (
             f"GenerationStats(tau={self.mean_accepted_length:.2f}, acceptance_per_position=[{acceptance}], "
-            f"drafted_per_step={self.mean_drafted_tokens:.2f}, skipped_share={self.skipped_share:.2f}, "
+            f"drafted_per_step={self.drafted_per_step:.2f}, skipped_share={self.skipped_share:.2f}, "
             f"target_forwards={self.target_forwards}, new_tokens={self.new_tokens}, seconds={self.seconds:.2f})"
         )

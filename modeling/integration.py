@@ -1,0 +1,259 @@
+"""`target.generate(..., assistant_model=drafter)` for HyperDFlash, vanilla-DFlash and native-MTP drafters.
+
+`install_generate_integration()` wraps `GenerationMixin.generate` once per process; `drafting.py` calls it when a
+drafter class loads, so it runs on `import hf_hyperdflash` and equally when transformers loads a saved drafter's
+remote code (`trust_remote_code=True`), with no import of the library. Several copies of this runtime can live in
+one process (the library, and one per remote-code folder); they share one wrapper, and the library's copy takes
+over from a remote-code one, since it may be newer.
+
+The wrapper only acts when the assistant is one of our drafters, recognised by `config.model_type` (so a drafter of
+either origin works under either copy), or when transformers' own drafting meets a stateful mHC target. Then, for
+that call only (`call_scope`: concurrent calls on one target do not see each other's), it brings a rewindable
+target cache, hooks the target to capture the features the drafter conditions on, swaps in our candidate generator
+and lifts the target's `_is_stateful` guard. Verification, acceptance (greedy prefix match or speculative sampling),
+logits processors, stopping criteria and streaming stay transformers' own `_assisted_decoding`, so outputs are the
+target's.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedModel
+
+from . import call_scope
+from .candidate_generator import BlockProposer, MTPProposer, SpeculativeCandidateGenerator, TokenPicker
+from .draft_options import BLOCK_DRAFTER_TYPE, DRAFTER_TYPES
+from .draft_policy import make_draft_policy
+from .generation_stats import GenerationStats
+from .indexer_ties import install_deterministic_indexer
+from .output_split import outputs_split_per_token
+from .request_checks import (
+    check_compatible,
+    check_prompt,
+    check_user_cache,
+    draft_schedule,
+    num_draft_tokens,
+    refuse_incompatible_options,
+)
+from .step_timer import StepTimer, synchronized_clock
+from .stopping import HeldBackStreamer, PerTokenStopping
+from .target_base import HyperConnectionTarget
+from .targets import TARGET_FAMILIES, get_target_adapter
+from .transformers_compat import CACHE_ARGUMENT, pop_user_cache
+
+_INSTALLED_BY = "_hyperdflash_integration"  # attribute of the wrapper: the module that installed it
+
+
+def is_speculative_drafter(model: object) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", None) in DRAFTER_TYPES
+
+
+@dataclass
+class GenerateRequest:
+    """One generate() call as the wrapper received it, with the generation config merged once."""
+
+    model: PreTrainedModel
+    arguments: dict  # generate()'s named arguments, without `self` and `kwargs`
+    kwargs: dict  # its other keyword arguments (model inputs, generation options), the cache taken out
+    cache: Cache | None  # the cache the caller passed in, under either name
+    generation_config: GenerationConfig
+
+    @classmethod
+    def from_arguments(cls, model: PreTrainedModel, bound: dict) -> GenerateRequest:
+        """From generate()'s bound arguments (`inspect.BoundArguments.arguments`)."""
+        arguments = {name: value for name, value in bound.items() if name not in ("self", "kwargs")}
+        extra = dict(bound.get("kwargs", {}))
+        cache = pop_user_cache(extra)
+        generation_config, _ = model._prepare_generation_config(arguments.get("generation_config"), **extra)
+        return cls(model, arguments, extra, cache, generation_config)
+
+    @property
+    def input_ids(self) -> torch.LongTensor | None:
+        inputs = self.arguments.get("inputs")
+        return inputs if inputs is not None else self.kwargs.get("input_ids")
+
+    @property
+    def asks_attentions_it_cannot_get(self) -> bool:
+        """`output_attentions` with an attention implementation that returns none (only eager does): plain decoding
+        then returns an empty tuple per step."""
+        implementation = self.model.config.get_text_config()._attn_implementation
+        config = self.generation_config
+        return bool(config.output_attentions and config.return_dict_in_generate) and implementation != "eager"
+
+
+def _exact_assisted_call(
+    original_generate: Callable,
+    target: HyperConnectionTarget,
+    request: GenerateRequest,
+    cache: Cache,
+    build_candidate_generator: Callable,
+):
+    """transformers' assisted loop, made to return plain decoding's result on an mHC target: a rewindable cache,
+    stopping criteria per accepted token (the streamer held back one step), per-token hidden states and attentions,
+    verify rows that see what one-token decoding sees. `build_candidate_generator(original, **options)` stands in
+    for the target's `_get_candidate_generator` in this call."""
+    prompt_length = request.input_ids.shape[1]
+    arguments = dict(request.arguments)
+    if arguments.get("streamer") is not None:
+        arguments["streamer"] = HeldBackStreamer(arguments["streamer"])
+    stopping: list[PerTokenStopping] = []
+
+    def stopping_criteria(build: Callable, **options) -> PerTokenStopping:
+        if stopping:  # a generate() nested in this call on the same model (a target that is its own assistant)
+            return build(**options)
+        stopping.append(PerTokenStopping(build(**options), prompt_length, arguments.get("streamer")))
+        return stopping[-1]
+
+    # "dynamic" (perhaps from the target's generation_config.json) is what the rewindable cache is.
+    kwargs = request.kwargs | {CACHE_ARGUMENT: cache, "cache_implementation": None}
+    no_attentions = request.asks_attentions_it_cannot_get
+    if no_attentions:  # transformers' assisted loop would index the empty attentions a non-eager model returns
+        kwargs["output_attentions"] = False
+    with (
+        call_scope.lifted_stateful_guard(target.model),
+        call_scope.methods(
+            target.model, _get_stopping_criteria=stopping_criteria, _get_candidate_generator=build_candidate_generator
+        ),
+        target.verify_as_decoding(prompt_length),
+        outputs_split_per_token(target.one_token_key_columns, target.prompt_key_columns, cache.get_seq_length()),
+    ):
+        output = original_generate(target.model, **arguments, **kwargs)
+    output = stopping[0].finish(output, cache, prompt_length)
+    if no_attentions and not isinstance(output, torch.Tensor):
+        output.attentions = tuple(() for _ in range(output.sequences.shape[1] - prompt_length))  # as plain decoding
+    return output
+
+
+def speculative_generate(original_generate: Callable, request: GenerateRequest, drafter: PreTrainedModel):
+    start = synchronized_clock()
+    target = get_target_adapter(request.model)
+    check_compatible(target, drafter)
+    draft_length = num_draft_tokens(drafter)
+    schedule = draft_schedule(drafter)
+    refuse_incompatible_options(request.generation_config, drafter)
+    check_prompt(request.input_ids)
+    if request.cache is not None:
+        check_user_cache(target, request.cache, request.input_ids.shape[1], draft_length)
+    if drafter.config.model_type == BLOCK_DRAFTER_TYPE:
+        proposer = BlockProposer(drafter, target)
+    else:
+        proposer = MTPProposer(drafter, target, draft_length)
+    stats = GenerationStats(num_draft_tokens=draft_length, schedule=schedule)
+    cache = request.cache if request.cache is not None else target.make_cache(max_draft=draft_length)
+    timer = StepTimer()
+    with target.capture(proposer.feature_layers) as capture, timer.attach(request.model, cache):
+
+        def candidate_generator(_original, generation_config, logits_processor, **_) -> SpeculativeCandidateGenerator:
+            return SpeculativeCandidateGenerator(
+                proposer=proposer,
+                capture=capture,
+                num_draft_tokens=draft_length,
+                max_length=generation_config.max_length,
+                pick=TokenPicker(logits_processor, bool(generation_config.do_sample)),
+                policy=make_draft_policy(schedule, draft_length),
+                stats=stats,
+                timer=timer,
+            )
+
+        output = _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    stats.new_tokens = sequences.shape[1] - request.input_ids.shape[1]
+    stats.seconds = synchronized_clock() - start
+    drafter.last_generation_stats = stats  # with concurrent calls on one drafter: the call that finished last
+    return output
+
+
+def uses_stock_drafting(model: PreTrainedModel, arguments: dict) -> bool:
+    """Prompt lookup or a stock assistant on a target of a supported family whose stock assisted decoding is refused
+    (`_is_stateful`): the runtime then supplies what makes it exact."""
+    if not getattr(type(model), "_is_stateful", False):
+        return False
+    if getattr(getattr(model, "config", None), "model_type", None) not in TARGET_FAMILIES:
+        return False
+    from_config = getattr(arguments.get("generation_config"), "prompt_lookup_num_tokens", None)
+    lookup = arguments.get("kwargs", {}).get("prompt_lookup_num_tokens", from_config)
+    return arguments.get("assistant_model") is not None or lookup is not None
+
+
+def _prefill_without_draft(generator) -> None:
+    """The first forward is the prompt alone, as plain decoding's prefill. Stock generators draft already there, and
+    a forward of prompt and draft can differ in its prompt rows (GLM-5-Next's indexer pools tokens by position, so
+    the draft changes the pools; measured with a padded mask)."""
+    get_candidates = generator.get_candidates
+    prefilled = []
+
+    def candidates(input_ids: torch.LongTensor, *args, **kwargs):
+        if not prefilled:
+            prefilled.append(True)
+            return input_ids, None
+        return get_candidates(input_ids, *args, **kwargs)
+
+    generator.get_candidates = candidates
+
+
+def stock_drafting_generate(original_generate: Callable, request: GenerateRequest):
+    """Prompt lookup or a stock same-family assistant (transformers' own candidate generators) on a stateful mHC
+    target: the target, and the assistant, get caches that roll back exactly."""
+    target = get_target_adapter(request.model)
+    if request.cache is not None and request.cache.get_seq_length() > 0:
+        raise ValueError(
+            "Prompt lookup and stock assistants cannot continue from a passed cache on this target; pass the whole "
+            f"conversation without `{CACHE_ARGUMENT}`, or use a HyperDFlash drafter, which can."
+        )
+    input_ids = request.input_ids
+    if input_ids is None or input_ids.shape[0] != 1:
+        raise ValueError("Prompt lookup and assistants decode one prompt at a time: pass `input_ids` of batch size 1.")
+    assistant = request.arguments.get("assistant_model")
+    config = request.generation_config
+    if assistant is None:
+        max_draft = config.prompt_lookup_num_tokens
+    else:  # a stock assistant's draft length adapts without a cap: a draft never exceeds what is left to generate
+        new_tokens = config.max_new_tokens
+        max_draft = (new_tokens if new_tokens is not None else config.max_length - input_ids.shape[1]) + 1
+
+    def candidate_generator(original: Callable, **options):
+        generator = original(**options)
+        _prefill_without_draft(generator)
+        if assistant is not None:
+            assistant_target = get_target_adapter(assistant)
+            generator.assistant_kwargs[CACHE_ARGUMENT] = assistant_target.make_cache(max_draft=max_draft)
+        return generator
+
+    cache = request.cache if request.cache is not None else target.make_cache(max_draft=max_draft)
+    target.check_cache(cache, max_draft)
+    return _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
+
+
+def _wrap_generate(original_generate: Callable) -> Callable:
+    signature = inspect.signature(original_generate)
+
+    @functools.wraps(original_generate)
+    def generate(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        drafter = bound.get("assistant_model")
+        if is_speculative_drafter(drafter):
+            return speculative_generate(original_generate, GenerateRequest.from_arguments(self, bound), drafter)
+        if uses_stock_drafting(self, bound):
+            return stock_drafting_generate(original_generate, GenerateRequest.from_arguments(self, bound))
+        return original_generate(self, *args, **kwargs)
+
+    setattr(generate, _INSTALLED_BY, __name__)
+    return generate
+
+
+def install_generate_integration() -> None:
+    """Make `generate()` understand our drafters. Idempotent: one wrapper per process, whichever copy installs it.
+    Also makes the sparse indexers break exact score ties by position, so verify forwards select what decoding does."""
+    install_deterministic_indexer()
+    current = GenerationMixin.generate
+    installed_by = getattr(current, _INSTALLED_BY, None)
+    is_library = __name__.startswith("hf_hyperdflash.")
+    if installed_by == __name__ or (installed_by is not None and not is_library):
+        return
+    original = current.__wrapped__ if installed_by is not None else current
+    GenerationMixin.generate = _wrap_generate(original)

@@ -1,0 +1,160 @@
+"""What a speculative request must satisfy before any work: the drafter fits the target, its draft settings are
+valid, and the generate() options can be honoured exactly (docs/generate_parity.md lists them)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import Cache, GenerationConfig, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
+
+from .draft_options import BLOCK_DRAFTER_TYPE, DEFAULT_MTP_DEPTH, MTP_DRAFTER_TYPE, SCHEDULES
+from .target_base import HyperConnectionTarget
+from .target_fingerprint import target_fingerprint
+
+
+def check_compatible(target: HyperConnectionTarget, drafter: PreTrainedModel) -> None:
+    """Refuse a drafter of another width or kind; warn when it was built for another target of the same width."""
+    config = drafter.config
+    if config.model_type == MTP_DRAFTER_TYPE and not target.has_native_mtp:
+        raise ValueError(
+            f"The native-MTP drafter is DeepSeek-V4's MTP block; a {target.family} target has none. Use a HyperDFlash "
+            "drafter (`HyperDFlashForDrafting.from_target(target)`, then `hyperdflash train`)."
+        )
+    for name, expected in (
+        ("hidden_size", target.hidden_size),
+        ("hc_mult", target.hc_mult),
+        ("vocab_size", target.vocab_size),
+    ):
+        got = getattr(config, name, None)
+        if got != expected:
+            raise ValueError(
+                f"This drafter was built for a different target: drafter {name}={got}, target {name}={expected}. "
+                "Use the drafter trained for this target, or build one with "
+                "`HyperDFlashForDrafting.from_target(target)`."
+            )
+    layer_ids = getattr(config, "target_layer_ids", None)
+    if config.model_type == BLOCK_DRAFTER_TYPE and config.conditioning == "intermediate":
+        bad = [i for i in layer_ids or [] if not 0 <= i < target.num_layers]
+        if bad or not layer_ids:
+            raise ValueError(
+                f"The drafter conditions on target layers {layer_ids}, but the target has {target.num_layers} layers. "
+                "Use a drafter trained for this target."
+            )
+    built_for, actual = getattr(config, "target_fingerprint", None), target_fingerprint(target.config)
+    if built_for is not None and built_for != actual:
+        warnings.warn(
+            f"This drafter was built for the target {config.target_name_or_path!r} (config fingerprint {built_for}), "
+            f"but runs with {target.config.name_or_path or type(target.model).__name__!r} (fingerprint {actual}). "
+            "The widths match, so outputs stay exact, but few drafts may be accepted: use the drafter trained for "
+            "this target, or train one with `hyperdflash train --target ...`.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def num_draft_tokens(drafter: PreTrainedModel) -> int:
+    """Draft length in transformers' convention, `drafter.generation_config.num_assistant_tokens`."""
+    config = drafter.config
+    num = getattr(getattr(drafter, "generation_config", None), "num_assistant_tokens", None)
+    if num is None:
+        num = config.block_size - 1 if config.model_type == BLOCK_DRAFTER_TYPE else DEFAULT_MTP_DEPTH
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise ValueError(
+            f"`drafter.generation_config.num_assistant_tokens` must be an integer >= 1, got {num!r}. To decode "
+            "without drafting, call generate() without `assistant_model`."
+        )
+    if config.model_type == BLOCK_DRAFTER_TYPE and num > config.block_size - 1:
+        raise ValueError(
+            f"`num_assistant_tokens`={num} exceeds what one block of size {config.block_size} can draft "
+            f"({config.block_size - 1}). Lower `drafter.generation_config.num_assistant_tokens`."
+        )
+    return num
+
+
+def draft_schedule(drafter: PreTrainedModel) -> str:
+    """`drafter.generation_config.num_assistant_tokens_schedule`, one of `SCHEDULES`."""
+    schedule = getattr(getattr(drafter, "generation_config", None), "num_assistant_tokens_schedule", None)
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"`drafter.generation_config.num_assistant_tokens_schedule` is {schedule!r}; this drafter takes one of "
+            f"{list(SCHEDULES)}: 'adaptive' chooses each step's draft length from the drafter's confidence and the "
+            "measured costs, 'constant' always drafts `num_assistant_tokens`."
+        )
+    return schedule
+
+
+def refuse_incompatible_options(generation_config: GenerationConfig, drafter: PreTrainedModel) -> None:
+    """Options whose result with a drafter would not be plain decoding's (docs/generate_parity.md lists them)."""
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError(
+            "Beam search cannot be combined with a speculative drafter (`assistant_model`). Use num_beams=1, or "
+            "drop `assistant_model` for beam search."
+        )
+    if (generation_config.num_return_sequences or 1) > 1:
+        raise ValueError(
+            "Speculative decoding returns one sequence per prompt; got num_return_sequences="
+            f"{generation_config.num_return_sequences}. Call generate several times, or drop `assistant_model`."
+        )
+    if generation_config.use_cache is False:
+        raise ValueError("Speculative decoding needs the target's cache; do not pass use_cache=False.")
+    mode = generation_config.get_generation_mode(assistant_model=drafter)
+    if getattr(generation_config, "dola_layers", None) is not None:  # transformers would silently drop it
+        mode = GenerationMode.DOLA_GENERATION
+    if mode != GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            f"These generate() options select {mode.value.replace('_', ' ')}, which cannot use a speculative drafter "
+            "(only greedy decoding and sampling can). Drop `assistant_model`, or the options that select it "
+            "(penalty_alpha with top_k > 1, constraints, force_words_ids, dola_layers)."
+        )
+    other_drafting = {
+        "prompt_lookup_num_tokens": generation_config.prompt_lookup_num_tokens,
+        "assistant_early_exit": generation_config.assistant_early_exit,
+        "use_mtp": generation_config.use_mtp or None,
+    }
+    conflicting = [name for name, value in other_drafting.items() if value is not None]
+    if conflicting:
+        raise ValueError(
+            f"`{conflicting[0]}` and a drafter (`assistant_model`) are two ways to draft; pass one of them."
+        )
+    if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
+        raise ValueError(
+            "assistant_ensemble_weight mixes the drafter's distribution into the target's, so the output would not be "
+            "the target's; drop it (speculative decoding with a drafter is exact without it)."
+        )
+    if generation_config.guidance_scale not in (None, 1, 1.0):
+        raise ValueError(
+            f"guidance_scale={generation_config.guidance_scale} cannot be combined with a speculative drafter: its "
+            "processor keeps an unconditional context that draft verification would corrupt. Drop `assistant_model`."
+        )
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"cache_implementation={generation_config.cache_implementation!r} cannot be combined with a speculative "
+            "drafter, which brings its own rewindable dynamic cache. Drop `cache_implementation` (or set it to "
+            "'dynamic')."
+        )
+
+
+def check_prompt(input_ids: torch.LongTensor | None) -> None:
+    """One prompt of token ids: the drafter embeds the verified tokens, and assisted decoding is batch size 1."""
+    if input_ids is None:
+        raise ValueError(
+            "Speculative decoding needs `input_ids` (the drafter embeds the verified tokens); "
+            "pass input_ids instead of inputs_embeds."
+        )
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"Speculative decoding through generate() runs one prompt at a time; got a batch of {input_ids.shape[0]}. "
+            "Loop over the prompts (batch size 1 each)."
+        )
+
+
+def check_user_cache(target: HyperConnectionTarget, cache: Cache, prompt_length: int, max_draft: int) -> None:
+    """A cache the caller passed in can rewind this call's drafts and holds a strict prefix of the prompt."""
+    target.check_cache(cache, max_draft)
+    if cache.get_seq_length() >= prompt_length:
+        raise ValueError(
+            f"The target cache passed in already holds {cache.get_seq_length()} tokens, but the prompt has "
+            f"{prompt_length}: pass the whole conversation so far plus at least one new token."
+        )

@@ -1,0 +1,85 @@
+"""Several threads calling generate() on one target at once (a chat server): each call's output is what serial plain
+decoding gives, with one shared drafter, with two drafters, and beside a plain call; on DeepSeek-V4 (the shipped
+pair: drafts are often accepted, so steps accept, reject and roll back) and on a linear-attention family (GLM-5-Next,
+whose rollback replays recorded kernel calls). Prompts of different lengths, so a call that saw another's state
+would fail on shapes or give other tokens."""
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting, reference
+from hf_hyperdflash.testing import tiny_glm5_next
+
+ROUNDS = 5
+NEW_TOKENS = 32
+
+
+def _concurrently(calls: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+    """Run `calls` in threads released together; a call's exception is raised here."""
+    barrier = threading.Barrier(len(calls))
+
+    def run(call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        barrier.wait()
+        with torch.no_grad():
+            return call()
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(run, call) for call in calls]
+        return [future.result() for future in futures]
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4():
+    target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32).eval()
+    drafters = [
+        HyperDFlashForDrafting.from_pretrained(reference.drafter_path("hyperdflash"), dtype=torch.float32).eval(),
+        DeepseekV4MTPForDrafting.from_pretrained(reference.mtp_path(), dtype=torch.float32).eval(),
+    ]
+    return target, drafters
+
+
+@pytest.fixture(scope="module")
+def glm5_next():
+    target = tiny_glm5_next(seed=0)
+    torch.manual_seed(0)
+    drafters = [HyperDFlashForDrafting.from_target(target, block_size=4) for _ in range(2)]
+    return target, drafters
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "glm5_next"])
+@pytest.mark.parametrize("pairing", ["one_shared_drafter", "two_drafters", "speculative_and_plain"])
+def test_concurrent_calls_on_one_target_each_give_serial_plain_decoding(request, family, pairing):
+    target, drafters = request.getfixturevalue(family)
+    vocab = target.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(len(pairing))
+    for round_ in range(ROUNDS):
+        prompts = [torch.randint(3, vocab, (1, length), generator=generator) for length in (17 + round_, 29)]
+        expected = [target.generate(p, max_new_tokens=NEW_TOKENS, do_sample=False) for p in prompts]
+        assistants = {
+            "one_shared_drafter": [drafters[0], drafters[0]],
+            "two_drafters": drafters,
+            "speculative_and_plain": [drafters[round_ % 2], None],
+        }[pairing]
+        calls = [
+            lambda p=p, a=a: target.generate(p, assistant_model=a, max_new_tokens=NEW_TOKENS, do_sample=False)
+            for p, a in zip(prompts, assistants, strict=True)
+        ]
+        outputs = _concurrently(calls)
+        for output, plain in zip(outputs, expected, strict=True):
+            assert torch.equal(output, plain), f"round {round_}"
+
+
+def test_a_call_leaves_nothing_on_the_shared_target(deepseek_v4):
+    """After a speculative call the target's instance and class read as stock: the guard lifted for the call only,
+    no instance attributes, no hooks."""
+    target, drafters = deepseek_v4
+    prompt = torch.tensor([[5, 17, 33, 9, 250, 11, 12, 40]])
+    target.generate(prompt, assistant_model=drafters[0], max_new_tokens=8, do_sample=False)
+    assert target._is_stateful is True and type(target)._is_stateful is True
+    assert not {"_is_stateful", "_get_candidate_generator", "_get_stopping_criteria"} & set(vars(target))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in target.modules())
