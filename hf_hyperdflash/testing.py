@@ -18,7 +18,9 @@ from transformers import (
     Glm5NextForConditionalGeneration,
     HYV4Config,
     HYV4ForCausalLM,
+    Qwen4ExpConfig,
     Qwen4ExpForCausalLM,
+    Qwen4ExpForConditionalGeneration,
     Qwen4ExpTextConfig,
 )
 
@@ -214,6 +216,25 @@ def tiny_qwen4_exp(seed: int = 0, **overrides) -> Qwen4ExpForCausalLM:
     settings.update(overrides)
     torch.manual_seed(seed)
     return Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**settings)).float().eval()
+
+
+def tiny_qwen4_exp_composite(seed: int = 0, **overrides) -> Qwen4ExpForConditionalGeneration:
+    """`tiny_qwen4_exp`'s text model (`overrides` set its config) inside the composite image-text class
+    transformers' Qwen4-Exp tests build: a one-block vision tower, image and video token ids the last four of the
+    vocabulary. Its text model is `model.model.language_model`."""
+    text = tiny_qwen4_exp(seed, **overrides).config.to_dict()
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=14)
+    vocab = text["vocab_size"]
+    config = Qwen4ExpConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=vocab - 4,
+        video_token_id=vocab - 3,
+        vision_start_token_id=vocab - 2,
+        vision_end_token_id=vocab - 1,
+    )
+    torch.manual_seed(seed)
+    return Qwen4ExpForConditionalGeneration(config).float().eval()
 
 
 class OracleProposer:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 from transformers import DeepseekV4Config
-from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicSlidingWindowLayer
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACache, DeepseekV4HCACache
 
 
@@ -32,7 +32,7 @@ def _tail(tensor: torch.Tensor, count: int, dim: int) -> torch.Tensor:
     return kept.clone() if tensor.shape[dim] > 2 * count else kept
 
 
-class _RewindableSlidingKeysMixin:
+class _RewindableSlidingKeysMixin(CacheLayerMixin):
     """Sliding-window keys that `crop` can move back by up to `max_draft` tokens.
 
     `keys` / `values` keep the stock layout: the last `min(seq_len, sliding_window - 1)` keys, as one tensor because V4
@@ -40,8 +40,11 @@ class _RewindableSlidingKeysMixin:
     plus up to `max_draft` older ones; `keys` is a view of its tail.
     """
 
+    # A cache layer with no instance layout of its own, so a layer can switch between the stock and rewindable classes
+    __slots__ = ()
     sliding_window: int
     cumulative_length: int
+    _history = ("max_draft", "key_history", "min_length")  # what the stock layer does not have
 
     def _init_history(self, max_draft: int) -> None:
         self.max_draft = max_draft
@@ -49,6 +52,11 @@ class _RewindableSlidingKeysMixin:
         # The shortest length `crop` can still restore: `max_draft` tokens before the end of the latest forward pass
         # (or of an earlier one, if a crop went back since). Anything only needed below it is dropped.
         self.min_length = 0
+
+    def _adopt_state(self) -> None:
+        """Start the history at a stock layer's state: nothing before it can be rolled back to."""
+        self.key_history = self.keys
+        self.min_length = self.cumulative_length
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -146,11 +154,20 @@ class RewindableHCALayer(_RewindableSlidingKeysMixin, DeepseekV4HCACache):
         super().__init__(config)
         self._init_history(max_draft)
 
+    _history = ("raw_kv", "raw_gate", "raw_start")
+
     def _init_history(self, max_draft: int) -> None:
         super()._init_history(max_draft)
         self.raw_kv: dict[str, torch.Tensor | None] = dict.fromkeys(self.compressed_kv)
         self.raw_gate: dict[str, torch.Tensor | None] = dict.fromkeys(self.compressed_kv)
         self.raw_start: dict[str, int] = dict.fromkeys(self.compressed_kv, 0)
+
+    def _adopt_state(self) -> None:
+        """The buffer holds the raw `(kv, gate)` of the tokens after the last closed window."""
+        super()._adopt_state()
+        for name in self.compressed_kv:
+            self.raw_kv[name], self.raw_gate[name] = self.buffer_kv[name], self.buffer_gate[name]
+            self.raw_start[name] = self.entry_count[name] * self.compress_rate
 
     def store_compression_weights(
         self, name: str, kv: torch.Tensor, gate: torch.Tensor
@@ -204,11 +221,22 @@ class RewindableCSALayer(RewindableHCALayer, DeepseekV4CSACache):
 
     _layer_type = None  # keep transformers' global layer-type mapping pointing at the stock classes
 
+    _history = ("window_kv", "window_gate", "window_start")
+
     def _init_history(self, max_draft: int) -> None:
         super()._init_history(max_draft)
         self.window_kv: dict[str, torch.Tensor | None] = dict.fromkeys(self.overlap_kv)
         self.window_gate: dict[str, torch.Tensor | None] = dict.fromkeys(self.overlap_kv)
         self.window_start: dict[str, int] = dict.fromkeys(self.overlap_kv, 0)
+
+    def _adopt_state(self) -> None:
+        """The overlap is the Ca half of the last closed window, `entry_count - 1`."""
+        super()._adopt_state()
+        for name in self.overlap_kv:
+            if self.overlap_kv[name] is not None:
+                self.window_kv[name] = self.overlap_kv[name][:, None]
+                self.window_gate[name] = self.overlap_gate[name][:, None]
+                self.window_start[name] = self.entry_count[name] - 1
 
     def update_overlap_state(
         self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int
@@ -258,6 +286,12 @@ _REWINDABLE_LAYER_CLASSES = {
     "heavily_compressed_attention": RewindableHCALayer,
     "compressed_sparse_attention": RewindableCSALayer,
 }
+# The layer class plain decoding's cache holds, for each rewindable one
+STOCK_LAYER_CLASSES = {
+    RewindableSlidingWindowLayer: DynamicSlidingWindowLayer,
+    RewindableHCALayer: DeepseekV4HCACache,
+    RewindableCSALayer: DeepseekV4CSACache,
+}
 
 
 class RewindableDeepseekV4Cache(DynamicCache):
@@ -297,3 +331,30 @@ class RewindableDeepseekV4Cache(DynamicCache):
             layer.check_rewind(length)
         for layer in self.layers:
             layer.crop(length - current)
+
+
+def make_rewindable(cache: DynamicCache, max_draft: int) -> RewindableDeepseekV4Cache:
+    """Turn a stock V4 cache (plain decoding's, or one a speculative call returned) into a rewindable one, in place:
+    its layers keep their state and start their history there, so a continuation can roll back its own drafts."""
+    rewindable = {stock: klass for klass, stock in STOCK_LAYER_CLASSES.items()}
+    for layer in cache.layers:
+        layer.__class__ = rewindable[type(layer)]
+        layer._init_history(max_draft)
+        layer._adopt_state()
+    cache.__class__ = RewindableDeepseekV4Cache
+    cache.max_draft = max_draft
+    return cache
+
+
+def make_stock(cache: RewindableDeepseekV4Cache) -> DynamicCache:
+    """The reverse, in place: the stock classes and state plain decoding leaves, the rollback history dropped."""
+    for layer in cache.layers:
+        if layer.is_initialized:  # `keys` is a view of the history: keep the window only
+            layer.keys = layer.values = layer.keys.clone()
+        for klass in type(layer).__mro__:
+            for name in vars(klass).get("_history", ()):
+                delattr(layer, name)
+        layer.__class__ = STOCK_LAYER_CLASSES[type(layer)]
+    del cache.max_draft
+    cache.__class__ = DynamicCache
+    return cache

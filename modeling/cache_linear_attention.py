@@ -150,6 +150,8 @@ class RewindableLinearAttentionLayer(LinearAttentionLayer):
         self.max_draft = max_draft
         self._init_history()
 
+    _history = ("max_draft", "length", "min_length", "forwards", "_appended", "_windows", "_recurrent")
+
     def _init_history(self) -> None:
         self.length = 0
         self.min_length = 0  # the shortest length `crop` can restore
@@ -271,3 +273,32 @@ class RewindableHybridCache(DynamicCache):
             layer.check_rewind(length)
         for layer in self.layers:
             layer.crop(length - current)
+
+
+def make_rewindable(cache: DynamicCache, max_draft: int) -> RewindableHybridCache:
+    """Turn a hybrid model's stock cache (plain decoding's, or one a speculative call returned) into a rewindable
+    one, in place: linear-attention layers keep their state and start their history there."""
+    length = cache.get_seq_length()
+    for layer in cache.layers:
+        if type(layer) is LinearAttentionLayer:
+            layer.__class__ = RewindableLinearAttentionLayer
+            layer.max_draft = max_draft
+            layer._init_history()
+            layer.length = layer.min_length = length
+            if layer.is_recurrent_states_initialized[0]:
+                layer._snapshot()
+    cache.__class__ = RewindableHybridCache
+    cache.max_draft = max_draft
+    return cache
+
+
+def make_stock(cache: RewindableHybridCache) -> DynamicCache:
+    """The reverse, in place: stock `LinearAttentionLayer`s with the state plain decoding leaves, history dropped."""
+    for layer in cache.layers:
+        if isinstance(layer, RewindableLinearAttentionLayer):
+            for name in RewindableLinearAttentionLayer._history:
+                delattr(layer, name)
+            layer.__class__ = LinearAttentionLayer
+    del cache.max_draft
+    cache.__class__ = DynamicCache
+    return cache

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -33,18 +34,19 @@ from .generation_stats import GenerationStats
 from .indexer_ties import install_deterministic_indexer
 from .output_split import outputs_split_per_token
 from .request_checks import (
+    check_cached_prefix,
     check_compatible,
     check_prompt,
-    check_user_cache,
     draft_schedule,
     num_draft_tokens,
+    refuse_images,
     refuse_incompatible_options,
 )
 from .step_timer import StepTimer, synchronized_clock
 from .stopping import HeldBackStreamer, PerTokenStopping
 from .target_base import HyperConnectionTarget
 from .targets import TARGET_FAMILIES, get_target_adapter
-from .transformers_compat import CACHE_ARGUMENT, pop_user_cache
+from .transformers_compat import CACHE_ARGUMENT, CACHE_ARGUMENTS, pop_user_cache
 
 _INSTALLED_BY = "_hyperdflash_integration"  # attribute of the wrapper: the module that installed it
 
@@ -86,6 +88,12 @@ class GenerateRequest:
         return bool(config.output_attentions and config.return_dict_in_generate) and implementation != "eager"
 
 
+def _call_cache(target: HyperConnectionTarget, cache: Cache | None, max_draft: int) -> Cache:
+    """The target cache of this call: a new rewindable one, or the caller's, made rewindable in place (and made
+    stock again when the call ends, `_exact_assisted_call`)."""
+    return target.make_cache(max_draft) if cache is None else target.adopt_cache(cache, max_draft)
+
+
 def _exact_assisted_call(
     original_generate: Callable,
     target: HyperConnectionTarget,
@@ -114,16 +122,22 @@ def _exact_assisted_call(
     no_attentions = request.asks_attentions_it_cannot_get
     if no_attentions:  # transformers' assisted loop would index the empty attentions a non-eager model returns
         kwargs["output_attentions"] = False
-    with (
-        call_scope.lifted_stateful_guard(target.model),
-        call_scope.methods(
-            target.model, _get_stopping_criteria=stopping_criteria, _get_candidate_generator=build_candidate_generator
-        ),
-        target.verify_as_decoding(prompt_length),
-        outputs_split_per_token(target.one_token_key_columns, target.prompt_key_columns, cache.get_seq_length()),
-    ):
-        output = original_generate(target.model, **arguments, **kwargs)
-    output = stopping[0].finish(output, cache, prompt_length)
+    stateful = getattr(type(target.model), "_is_stateful", False)
+    try:
+        with (
+            call_scope.lifted_stateful_guard(target.model) if stateful else nullcontext(),
+            call_scope.methods(
+                target.model,
+                _get_stopping_criteria=stopping_criteria,
+                _get_candidate_generator=build_candidate_generator,
+            ),
+            target.verify_as_decoding(prompt_length),
+            outputs_split_per_token(target.one_token_key_columns, target.prompt_key_columns, cache.get_seq_length()),
+        ):
+            output = original_generate(target.model, **arguments, **kwargs)
+        output = stopping[0].finish(output, cache, prompt_length)
+    finally:
+        target.release_cache(cache)  # the returned (or passed-in) cache is plain decoding's, by type and state
     if no_attentions and not isinstance(output, torch.Tensor):
         output.attentions = tuple(() for _ in range(output.sequences.shape[1] - prompt_length))  # as plain decoding
     return output
@@ -137,14 +151,15 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     schedule = draft_schedule(drafter)
     refuse_incompatible_options(request.generation_config, drafter)
     check_prompt(request.input_ids)
+    refuse_images(request.kwargs)
     if request.cache is not None:
-        check_user_cache(target, request.cache, request.input_ids.shape[1], draft_length)
+        check_cached_prefix(request.cache, request.input_ids.shape[1])
     if drafter.config.model_type == BLOCK_DRAFTER_TYPE:
         proposer = BlockProposer(drafter, target)
     else:
         proposer = MTPProposer(drafter, target, draft_length)
     stats = GenerationStats(num_draft_tokens=draft_length, schedule=schedule)
-    cache = request.cache if request.cache is not None else target.make_cache(max_draft=draft_length)
+    cache = _call_cache(target, request.cache, draft_length)
     timer = StepTimer()
     with target.capture(proposer.feature_layers) as capture, timer.attach(request.model, cache):
 
@@ -169,11 +184,13 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
 
 
 def uses_stock_drafting(model: PreTrainedModel, arguments: dict) -> bool:
-    """Prompt lookup or a stock assistant on a target of a supported family whose stock assisted decoding is refused
-    (`_is_stateful`): the runtime then supplies what makes it exact."""
-    if not getattr(type(model), "_is_stateful", False):
-        return False
+    """Prompt lookup or a stock assistant on a target of a supported family: the runtime supplies what makes it
+    exact (caches that roll back where the family is stateful; for every family, per-token outputs in plain
+    decoding's shapes). A stateless family continuing from a passed cache keeps transformers' own path."""
     if getattr(getattr(model, "config", None), "model_type", None) not in TARGET_FAMILIES:
+        return False
+    cache = next((arguments.get("kwargs", {}).get(name) for name in CACHE_ARGUMENTS), None)
+    if not getattr(type(model), "_is_stateful", False) and cache is not None and cache.get_seq_length() > 0:
         return False
     from_config = getattr(arguments.get("generation_config"), "prompt_lookup_num_tokens", None)
     lookup = arguments.get("kwargs", {}).get("prompt_lookup_num_tokens", from_config)
@@ -197,8 +214,8 @@ def _prefill_without_draft(generator) -> None:
 
 
 def stock_drafting_generate(original_generate: Callable, request: GenerateRequest):
-    """Prompt lookup or a stock same-family assistant (transformers' own candidate generators) on a stateful mHC
-    target: the target, and the assistant, get caches that roll back exactly."""
+    """Prompt lookup or a stock assistant (transformers' own candidate generators) on an mHC target: the target, and
+    a stateful assistant, get caches that roll back exactly."""
     target = get_target_adapter(request.model)
     if request.cache is not None and request.cache.get_seq_length() > 0:
         raise ValueError(
@@ -219,13 +236,12 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
     def candidate_generator(original: Callable, **options):
         generator = original(**options)
         _prefill_without_draft(generator)
-        if assistant is not None:
+        if getattr(type(assistant), "_is_stateful", False):  # a stateless assistant's stock cache crops exactly
             assistant_target = get_target_adapter(assistant)
             generator.assistant_kwargs[CACHE_ARGUMENT] = assistant_target.make_cache(max_draft=max_draft)
         return generator
 
-    cache = request.cache if request.cache is not None else target.make_cache(max_draft=max_draft)
-    target.check_cache(cache, max_draft)
+    cache = _call_cache(target, request.cache, max_draft)
     return _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
 
 

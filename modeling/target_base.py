@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
-from transformers import Cache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
 
 from .call_scope import CallHooks
 from .feature_capture import FeatureCapture
@@ -118,9 +118,22 @@ class HyperConnectionTarget:
         """A target cache whose `crop` removes up to `max_draft` trailing tokens exactly."""
         raise NotImplementedError
 
-    def check_cache(self, cache: Cache, max_draft: int) -> None:
-        """Raise `ValueError` unless a cache the user passed in can rewind a draft of `max_draft` tokens."""
+    def adopt_cache(self, cache: Cache, max_draft: int) -> Cache:
+        """A cache the caller passed in (plain decoding's, a speculative call's, or one built rewindable), made to
+        rewind drafts of `max_draft` tokens, in place; `ValueError` for a cache this family cannot continue from."""
         raise NotImplementedError
+
+    def release_cache(self, cache: Cache) -> None:
+        """After the call: the cache holds the family's stock classes and the state plain decoding leaves, so user
+        code that inspects it by type, and a later call with or without a drafter, see plain decoding's cache (nothing
+        to do where the stock cache is the rewindable one)."""
+
+    def _is_plain_decodings_cache(self, cache: Cache) -> bool:
+        """`cache` is what plain decoding makes for this target: a `DynamicCache` of the family's layer classes."""
+        stock = DynamicCache(config=self.config)
+        return type(cache) is DynamicCache and [type(layer) for layer in cache.layers] == [
+            type(layer) for layer in stock.layers
+        ]
 
     def _check_rewindable(self, cache: Cache, max_draft: int, cache_class: str) -> None:
         """`cache` is a `cache_class` (by name, so a cache from another copy of the runtime passes) that can rewind a
@@ -128,7 +141,8 @@ class HyperConnectionTarget:
         if not any(klass.__name__ == cache_class for klass in type(cache).__mro__):
             raise ValueError(
                 f"Speculative decoding needs a rewindable target cache, got {type(cache).__name__} ({self.family} "
-                f"needs a {cache_class}). Omit `{CACHE_ARGUMENT}` (one is created for you)."
+                f"continues from plain decoding's cache, `DynamicCache(config=target.config)`, or a {cache_class}). "
+                f"Omit `{CACHE_ARGUMENT}` (one is created for you)."
             )
         if cache.max_draft < max_draft:
             raise ValueError(

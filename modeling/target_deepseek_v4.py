@@ -8,7 +8,7 @@ from contextlib import AbstractContextManager
 import torch
 from transformers import Cache
 
-from .cache_deepseek_v4 import RewindableDeepseekV4Cache
+from .cache_deepseek_v4 import RewindableDeepseekV4Cache, make_rewindable, make_stock
 from .compressed_visibility import hca_visibility_as_decoding
 from .target_base import HyperConnectionTarget
 
@@ -22,8 +22,15 @@ class DeepseekV4Target(HyperConnectionTarget):
     def make_cache(self, max_draft: int) -> RewindableDeepseekV4Cache:
         return RewindableDeepseekV4Cache(config=self.config, max_draft=max_draft)
 
-    def check_cache(self, cache: Cache, max_draft: int) -> None:
+    def adopt_cache(self, cache: Cache, max_draft: int) -> Cache:
+        if self._is_plain_decodings_cache(cache):
+            return make_rewindable(cache, max_draft)
         self._check_rewindable(cache, max_draft, "RewindableDeepseekV4Cache")
+        return cache
+
+    def release_cache(self, cache: Cache) -> None:
+        if isinstance(cache, RewindableDeepseekV4Cache):
+            make_stock(cache)
 
     def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
         """A verify forward's rows see the compressed entries one-token decoding sees, also when a padded prompt

@@ -23,7 +23,7 @@ class HYV4Target(HyperConnectionTarget):
     def make_cache(self, max_draft: int) -> DynamicCache:
         return DynamicCache(config=self.config)
 
-    def check_cache(self, cache: Cache, max_draft: int) -> None:
+    def adopt_cache(self, cache: Cache, max_draft: int) -> Cache:
         if not isinstance(cache, DynamicCache) or not all(
             isinstance(layer, DynamicIndexedLayer) for layer in cache.layers
         ):
@@ -31,3 +31,4 @@ class HYV4Target(HyperConnectionTarget):
                 f"Speculative decoding on HY-V4 needs the stock dynamic cache (`DynamicCache(config=...)`, whose "
                 f"indexed layers crop exactly), got {type(cache).__name__}. Omit `{CACHE_ARGUMENT}` (one is created)."
             )
+        return cache

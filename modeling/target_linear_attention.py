@@ -5,7 +5,8 @@ their delta-rule kernels are recorded during a call so that rollback can replay 
 
 - GLM-5-Next (`Glm5NextForConditionalGeneration`; text model `model.language_model`): `[B, S, hc, D]` streams,
   collapsed by a parameter-free mean (`hc_head`) and normed by `norm`. The inherited gate starts as that mean.
-- Qwen4-Exp (`Qwen4ExpForCausalLM`): a flat `[B, S, hc * D]` residual collapsed by `hyper_connection_mixer` (a
+- Qwen4-Exp (`Qwen4ExpForCausalLM`, or the composite `Qwen4ExpForConditionalGeneration` on its text path, text
+  model `model.language_model`): a flat `[B, S, hc * D]` residual collapsed by `hyper_connection_mixer` (a
   grouped RMSNorm and a low-rank sigmoid gate, then the mean of the gated streams), with no final norm. The
   inherited gate is a copy of that mixer.
 """
@@ -22,7 +23,7 @@ import transformers.models.qwen4_exp.modeling_qwen4_exp as qwen4_exp
 from torch import nn
 from transformers import Cache
 
-from .cache_linear_attention import RewindableHybridCache, recording_kernels
+from .cache_linear_attention import RewindableHybridCache, make_rewindable, make_stock, recording_kernels
 from .target_base import HyperConnectionTarget
 
 
@@ -33,8 +34,15 @@ class LinearAttentionTarget(HyperConnectionTarget):
     def make_cache(self, max_draft: int) -> RewindableHybridCache:
         return RewindableHybridCache(self.config, max_draft=max_draft)
 
-    def check_cache(self, cache: Cache, max_draft: int) -> None:
+    def adopt_cache(self, cache: Cache, max_draft: int) -> Cache:
+        if self._is_plain_decodings_cache(cache):
+            return make_rewindable(cache, max_draft)
         self._check_rewindable(cache, max_draft, "RewindableHybridCache")
+        return cache
+
+    def release_cache(self, cache: Cache) -> None:
+        if isinstance(cache, RewindableHybridCache):
+            make_stock(cache)
 
     def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
         """The delta-rule kernels hand their inputs to the cache, which replays them on a rollback."""
@@ -80,3 +88,11 @@ class Qwen4ExpTarget(LinearAttentionTarget):
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:
         return self.collapse_head(streams.flatten(2))
+
+
+class Qwen4ExpCompositeTarget(Qwen4ExpTarget):
+    """`Qwen4ExpForConditionalGeneration` (what transformers' Qwen4-Exp tests build), drafted on its text path."""
+
+    @property
+    def text_model(self) -> nn.Module:
+        return self.model.model.language_model

@@ -7,13 +7,14 @@ from transformers import PreTrainedModel
 from .target_base import HyperConnectionTarget
 from .target_deepseek_v4 import DeepseekV4Target
 from .target_hy_v4 import HYV4Target
-from .target_linear_attention import Glm5NextTarget, Qwen4ExpTarget
+from .target_linear_attention import Glm5NextTarget, Qwen4ExpCompositeTarget, Qwen4ExpTarget
 
 TARGET_FAMILIES: dict[str, type[HyperConnectionTarget]] = {
     "deepseek_v4": DeepseekV4Target,
     "hy_v4": HYV4Target,
     "glm5_next": Glm5NextTarget,
     "qwen4_exp_text": Qwen4ExpTarget,
+    "qwen4_exp": Qwen4ExpCompositeTarget,
 }
 
 

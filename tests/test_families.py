@@ -26,12 +26,18 @@ from hf_hyperdflash.testing import (
     tiny_glm5_next,
     tiny_hy_v4,
     tiny_qwen4_exp,
+    tiny_qwen4_exp_composite,
 )
 from hf_hyperdflash.training.command import add_train_arguments, run_train
 
 FIXTURES = Path(__file__).parent / "fixtures"
-BUILDERS = {"hy_v4": tiny_hy_v4, "glm5_next": tiny_glm5_next, "qwen4_exp_text": tiny_qwen4_exp}
-SEEDS = {"hy_v4": range(10), "glm5_next": range(3), "qwen4_exp_text": range(3)}
+BUILDERS = {
+    "hy_v4": tiny_hy_v4,
+    "glm5_next": tiny_glm5_next,
+    "qwen4_exp_text": tiny_qwen4_exp,
+    "qwen4_exp": tiny_qwen4_exp_composite,  # the composite class, on its text path
+}
+SEEDS = {"hy_v4": range(10), "glm5_next": range(3), "qwen4_exp_text": range(3), "qwen4_exp": range(1, 3)}
 PROMPT_TOKENS = 40  # 10 times HY-V4's indexer budget (4 tokens), 5 times GLM-5-Next's and Qwen4-Exp's (8)
 NEW_TOKENS = 24
 OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_hidden_states=True, output_attentions=True)

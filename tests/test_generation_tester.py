@@ -16,7 +16,15 @@ import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
-from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_glm5_next, tiny_qwen4_exp
+from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
+from hf_hyperdflash.testing import (
+    OracleProposer,
+    oracle_drafting,
+    tiny_glm5_next,
+    tiny_hy_v4,
+    tiny_qwen4_exp,
+    tiny_qwen4_exp_composite,
+)
 
 SEEDS = range(10)
 PROMPT_TOKENS = 7
@@ -217,3 +225,130 @@ def test_stock_drafting_on_the_linear_attention_families_matches_greedy_search(f
         assert_similar_outputs(assisted, plain)
         assert len(assisted.attentions) == len(assisted.hidden_states) == NEW_TOKENS
         assert [a.shape[-2] for a in assisted.attentions[0]] == [PROMPT_TOKENS] * len(assisted.attentions[0])
+
+
+# Every family, every drafter kind it supports, as the mixin checks them: the tester's inputs and generate()
+# arguments, tokens, scores, logits, per-step hidden states and attentions, and the returned cache by exact type
+# and state. Tiny targets of each family (2 indexer heads, eager attention).
+FAMILY_BUILDERS = {
+    "deepseek_v4": lambda seed: _target(seed),
+    "hy_v4": tiny_hy_v4,
+    "glm5_next": tiny_glm5_next,
+    "qwen4_exp": tiny_qwen4_exp,
+    "qwen4_exp_composite": tiny_qwen4_exp_composite,
+}
+DRAFTER_KINDS = {
+    "deepseek_v4": ("hyperdflash", "vanilla_dflash", "mtp", "prompt-lookup"),
+    "hy_v4": ("hyperdflash", "vanilla_dflash", "prompt-lookup"),
+    "glm5_next": ("hyperdflash", "vanilla_dflash", "prompt-lookup"),
+    "qwen4_exp": ("hyperdflash", "vanilla_dflash", "prompt-lookup"),
+    "qwen4_exp_composite": ("hyperdflash", "vanilla_dflash", "prompt-lookup"),
+}
+CASES = [(family, kind) for family, kinds in DRAFTER_KINDS.items() for kind in kinds]
+
+
+def family_target(family: str, seed: int):
+    target = FAMILY_BUILDERS[family](seed)
+    target.set_attn_implementation("eager")
+    return target
+
+
+def drafting_arguments(target, kind: str, seed: int) -> dict:
+    if kind == "prompt-lookup":
+        return {"prompt_lookup_num_tokens": 2, "max_matching_ngram_size": 2}
+    torch.manual_seed(seed)
+    if kind == "mtp":
+        drafter = DeepseekV4MTPForDrafting.from_target(target)
+    else:
+        dense = {"reducer": "dense", "conditioning": "intermediate"} if kind == "vanilla_dflash" else {}
+        drafter = HyperDFlashForDrafting.from_target(target, block_size=4, **dense)
+    drafter.generation_config.num_assistant_tokens = 2
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
+    return {"assistant_model": drafter.eval()}
+
+
+def _assert_same_state(ours, theirs, where: str) -> None:
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and ours.shape == theirs.shape, where
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5, msg=where)
+    elif isinstance(theirs, dict | list | tuple):
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
+        if isinstance(theirs, dict):
+            assert ours.keys() == theirs.keys(), where
+            ours, theirs = list(ours.values()), list(theirs.values())
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            _assert_same_state(a, b, f"{where}[{i}]")
+    else:
+        assert ours == theirs, where
+
+
+def assert_same_cache(ours, theirs) -> None:
+    """What the mixin asks of a returned cache (layer classes by exact type), and beyond it: the same state."""
+    assert type(ours) is type(theirs)
+    assert [type(layer) for layer in ours.layers] == [type(layer) for layer in theirs.layers]
+    for index, (layer, plain_layer) in enumerate(zip(ours.layers, theirs.layers, strict=True)):
+        assert vars(layer).keys() == vars(plain_layer).keys(), f"layer {index}"
+        for name, value in vars(plain_layer).items():
+            _assert_same_state(vars(layer)[name], value, f"layer {index}.{name}")
+
+
+def check_per_step_shapes(output, plain) -> None:
+    """One entry per new token; per step, every layer's hidden states and attentions shaped as plain decoding's."""
+    assert len(output.hidden_states) == len(output.attentions) == NEW_TOKENS
+    for name in ("hidden_states", "attentions"):
+        for step, (ours, theirs) in enumerate(zip(getattr(output, name), getattr(plain, name), strict=True)):
+            assert [t.shape for t in ours] == [t.shape for t in theirs], f"{name} step {step}"
+
+
+@pytest.mark.parametrize(("family", "kind"), CASES)
+def test_every_family_and_drafter_kind_returns_plain_decodings_outputs_and_cache(family, kind):
+    for seed in range(2):
+        target, inputs = family_target(family, seed), upstream_tester_inputs(seed)
+        plain = target.generate(**inputs, **generation_kwargs())
+        assisted = target.generate(**inputs, **drafting_arguments(target, kind, seed), **generation_kwargs())
+        assert_similar_outputs(assisted, plain)
+        check_per_step_shapes(assisted, plain)
+        assert_same_cache(getattr(assisted, CACHE_ARGUMENT), getattr(plain, CACHE_ARGUMENT))
+
+
+@pytest.mark.parametrize("family", ["glm5_next", "qwen4_exp", "deepseek_v4"])
+def test_a_returned_cache_continues_exactly_with_and_without_a_drafter(family):
+    """A second chat turn on the cache a speculative call returned (stock classes): plain `generate()` and a
+    speculative call both continue from it as plain decoding over the whole conversation does."""
+    target = family_target(family, seed=0)
+    vocab = target.config.get_text_config().vocab_size
+    prompt = torch.randint(3, vocab, (1, 20), generator=torch.Generator().manual_seed(0))
+    drafting = drafting_arguments(target, "hyperdflash", seed=0)
+    first = target.generate(prompt, max_new_tokens=12, do_sample=False, return_dict_in_generate=True, **drafting)
+    conversation = torch.cat([first.sequences, torch.tensor([[7, 8, 9]])], dim=-1)
+    expected = target.generate(conversation, max_new_tokens=12, do_sample=False)
+    for continuation in ({}, drafting):
+        second = target.generate(prompt, max_new_tokens=12, do_sample=False, return_dict_in_generate=True, **drafting)
+        cache = getattr(second, CACHE_ARGUMENT)
+        output = target.generate(
+            conversation, max_new_tokens=12, do_sample=False, **continuation, **{CACHE_ARGUMENT: cache}
+        )
+        assert torch.equal(output, expected), "with a drafter" if continuation else "plain"
+        assert type(cache).__name__ == "DynamicCache"  # stock again after the continuation too
+
+
+def test_stock_prompt_lookup_on_hy_v4_gives_plain_decodings_hidden_states():
+    """HY-V4 is stateless, so transformers runs prompt lookup on it without the package; transformers' own output
+    split cuts the mHC stream axis (per step `[1, 1, 1, D]`). With the package loaded every family gets the exact
+    split."""
+    target = family_target("hy_v4", seed=0)
+    inputs = upstream_tester_inputs(0)
+    plain = target.generate(**inputs, **generation_kwargs())
+    lookup = target.generate(**inputs, prompt_lookup_num_tokens=2, max_matching_ngram_size=2, **generation_kwargs())
+    for ours, theirs in zip(lookup.hidden_states, plain.hidden_states, strict=True):
+        for layer_ours, layer_theirs in zip(ours, theirs, strict=True):
+            assert layer_ours.shape == layer_theirs.shape
+            torch.testing.assert_close(layer_ours, layer_theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["glm5_next", "qwen4_exp_composite"])
+def test_images_with_a_drafter_are_refused(family):
+    target = family_target(family, seed=0)
+    drafting = drafting_arguments(target, "hyperdflash", seed=0)
+    with pytest.raises(ValueError, match="runs on text prompts.*pixel_values"):
+        target.generate(torch.tensor([[5, 6, 7]]), pixel_values=torch.zeros(4, 8), max_new_tokens=2, **drafting)
