@@ -1,4 +1,5 @@
-"""`hyperdflash` command line: demo (the quick start), train and eval (drafters), build-reference (shipped models)."""
+"""`hyperdflash` command line: demo (the quick start), train and eval (drafters), plan (a drafter's size and expected
+speedup for a target, from its config), build-reference (shipped models)."""
 
 # Building the parser imports neither torch nor transformers (the option tables live in light modules), so
 # `--help` answers at once; a command imports what it needs when it runs.

@@ -24,6 +24,7 @@ from .loop import LoopConfig
 from .losses import LossConfig
 from .options import DEFAULTS, DRAFTER_KINDS, add_train_arguments, resolve_settings
 from .replies import load_replies
+from .telemetry import PROJECT, tracker_config, trackers
 from .trainer import build_drafter, optimizer_factory, train_drafter
 
 __all__ = ["DEFAULTS", "DRAFTER_KINDS", "add_train_arguments", "main", "resolve_settings", "run_train"]
@@ -62,6 +63,7 @@ def run_train(args: argparse.Namespace) -> Path:
     """Generate (or resume) the reply data, train (or resume) the drafter, save it; returns the drafter dir."""
     settings = resolve_settings(args)
     out = Path(settings["output_dir"])
+    run_dir = out / "run"
     loop = _loop_config(settings)
     losses = LossConfig(
         gamma=settings["gamma"],
@@ -76,7 +78,12 @@ def run_train(args: argparse.Namespace) -> Path:
     check_tokenizer_path(tokenizer_path)
     if settings["init_from"] is not None:
         check_drafter_path(settings["init_from"])
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=loop.mixed_precision)
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=loop.mixed_precision,
+        log_with=trackers(settings["report_to"]) or None,  # accelerate warns of "no trackers installed" at []
+        project_dir=run_dir,  # TensorBoard writes to run_dir/PROJECT
+    )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     target = load_target(
         target_path,
@@ -125,11 +132,14 @@ def run_train(args: argparse.Namespace) -> Path:
         messages = load_prompts(settings["eval_data"], settings["eval_split"], settings["eval_prompts"])
         eval_prompts = [encode_prompt(tokenizer, m, settings["thinking"]) for m in messages]
 
+    run_dir.mkdir(parents=True, exist_ok=True)
+    wandb_run = {"dir": str(run_dir), "name": out.name}  # W&B files next to the others, not in the working directory
+    accelerator.init_trackers(PROJECT, config=tracker_config(settings), init_kwargs={"wandb": wandb_run})
     drafter = train_drafter(
         drafter,
         target,
         examples,
-        out / "run",
+        run_dir,
         loop,
         losses,
         anchors_per_sequence=settings["anchors_per_sequence"],
@@ -139,12 +149,13 @@ def run_train(args: argparse.Namespace) -> Path:
         accelerator=accelerator,
     )
     if accelerator.is_main_process:
-        measured = [record["tau"] for record in read_log(out / "run" / "log.jsonl") if "tau" in record]
+        measured = [record["tau"] for record in read_log(run_dir / "log.jsonl") if "tau" in record]
         drafter.measured_tau = measured[-1] if measured else None  # the last greedy eval, for the model card
         drafter.save_pretrained(out / "drafter")
         provenance = {**settings, "num_processes": accelerator.num_processes}
         (out / "train_settings.json").write_text(json.dumps(provenance, indent=1, default=str))
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # closes the trackers' runs (and the process group)
     return out / "drafter"
 
 

@@ -148,10 +148,11 @@ def run_training(
     """Train `model` (only its parameters with requires_grad) and return it unwrapped.
 
     `compute_losses(model, batch)` returns named loss terms; "loss" is optimised, every term is logged to
-    `run_dir/log.jsonl`. A checkpoint in `run_dir/checkpoint` is resumed automatically. With
-    `config.eval_every`, the main process logs `evaluate(unwrapped model)` (in eval mode, no grad) every
-    `eval_every` steps and at the last one, and prints it as one line (`step 200: tau 3.12`), while the other
-    processes wait.
+    `run_dir/log.jsonl` and to the accelerator's trackers (as `train/<term>`, if `init_trackers` started any). A
+    checkpoint in `run_dir/checkpoint` is resumed automatically. With `config.eval_every`, the main process logs
+    `evaluate(unwrapped model)` (in eval mode, no grad; to the trackers as `eval/<name>`) every `eval_every` steps
+    and at the last one, and prints it as one line (`step 200: tau 3.12`), while the other processes wait. The
+    progress bar shows the time left and the last logged loss and tokens/s.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -215,7 +216,8 @@ def run_training(
             )
             if accelerator.is_main_process:
                 _write_log(log_path, record)
-                progress.set_postfix(loss=f"{record['loss']:.3f}")
+                accelerator.log({f"train/{name}": value for name, value in record.items() if name != "step"}, done)
+                progress.set_postfix({"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_second']:.0f}"})
             window, tokens_in_window, window_start = {}, 0, time.perf_counter()
         pause_start = time.perf_counter()  # evaluation and checkpoints do not count against throughput
         if evaluate is not None and config.eval_every and _due(done, config.eval_every, config.total_steps):
@@ -225,6 +227,7 @@ def run_training(
                     metrics = evaluate(accelerator.unwrap_model(model))
                 model.train()
                 _write_log(log_path, {"step": done, **metrics})
+                accelerator.log({f"eval/{name}": value for name, value in metrics.items()}, done)
                 # e.g. "step 200: tau 3.12", above the progress bar rather than through it
                 tqdm.write(f"step {done}: " + ", ".join(f"{name} {value:.2f}" for name, value in metrics.items()))
             accelerator.wait_for_everyone()

@@ -10,8 +10,9 @@ above runs the processes on CPU over gloo (as does `torchrun --nproc_per_node 2 
 Settings come from flags, or from `--config file.json` (keys are the option names with underscores, e.g.
 {"block_size": 8}); flags given on the command line override the file. Re-running the same command resumes
 both the data generation and the training. Output: OUTPUT_DIR/data (replies), OUTPUT_DIR/run (checkpoint,
-log.jsonl, curves.png), OUTPUT_DIR/drafter (the trained drafter, loads with
-`AutoModel.from_pretrained(dir, trust_remote_code=True)`).
+log.jsonl, curves.png, and with --report-to the trackers' logs), OUTPUT_DIR/drafter (the trained drafter, loads with
+`AutoModel.from_pretrained(dir, trust_remote_code=True)`). Live metrics: `--report-to tensorboard`, then
+`tensorboard --logdir OUTPUT_DIR/run`.
 """
 
 # This module is the command's help text (its docstring) and option table; it imports neither torch nor
@@ -25,6 +26,7 @@ from pathlib import Path
 
 QUANTIZATIONS = ("none", "8bit", "4bit")  # --target-quantization (trainer.load_target)
 TEACHERS = ("mean_pool", "gated")  # --teacher (losses.teacher_logits)
+REPORT_TO = ("none", "tensorboard", "wandb", "all")  # --report-to (telemetry.trackers)
 
 DRAFTER_KINDS = {  # kind -> (reducer, conditioning)
     "hyperdflash": ("inherited_gate", "pre_collapse"),
@@ -99,6 +101,7 @@ DEFAULTS = {
     "eval_max_new_tokens": 64,
     # output
     "output_dir": None,
+    "report_to": "none",
 }
 
 
@@ -138,7 +141,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _option(
         models,
         "--target",
-        "Path or Hub id of the mHC target (DeepSeek-V4 or HY-V4). Default: the shipped reference target.",
+        "Path or Hub id of the mHC target (DeepSeek-V4, HY-V4, GLM-5-Next or Qwen4-Exp). Default: the shipped "
+        "reference target.",
     )
     _option(models, "--tokenizer", "Tokenizer path or Hub id. Default: the reference's, or the target's.")
     _option(models, "--target-dtype", "dtype of the frozen target.", choices=["auto", "float32", "bfloat16"])
@@ -274,7 +278,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _option(evaluation, "--eval-max-new-tokens", "Tokens generated per tau prompt (greedy).", type=int)
 
     output = parser.add_argument_group("output")
-    _option(output, "--output-dir", "Required. Holds data/, run/ (checkpoint, log.jsonl, curves.png), drafter/.")
+    _option(
+        output,
+        "--output-dir",
+        "Holds data/, run/ (checkpoint, log.jsonl, curves.png, tracker logs), drafter/. Required here or as "
+        "'output_dir' in --config.",
+    )
+    _option(
+        output,
+        "--report-to",
+        "Live metrics through accelerate's trackers (every loss term, lr, grad norm, tokens/s, tau at each "
+        "evaluation): TensorBoard logs in OUTPUT_DIR/run, Weights & Biases (offline with WANDB_MODE=offline), both "
+        "(all), or none. Needs the tracker's package (the `telemetry` extra).",
+        choices=list(REPORT_TO),
+    )
     return parser
 
 
