@@ -5,7 +5,8 @@
 The reference target has 4 layers, so DFlash's layer rule conditions vanilla DFlash on layer 1 alone, two
 layers below the final residual. This grows the trained 4-layer target into a deeper one by duplicating
 layers (depth up-scaling; the default order 0,1,1,2,2,3 gives 6 layers, for which the rule picks layers 1 and 3)
-and trains it on for `--steps` on the reference's packed rows. Then, as in README "Rebuild the reference":
+and trains it on for `--steps` on the reference's packed rows. Then, as in docs/reference.md, "Build (rebuild the
+reference)":
 
     hyperdflash train --config configs/ablations/hyperdflash.json --target runs/deeper_target/target \\
         --tokenizer runs/reference/tokenizer --data-dir runs/deeper_target/data \\
