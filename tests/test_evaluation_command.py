@@ -156,3 +156,22 @@ def test_a_tau_ratio_of_an_unknown_method_is_refused_before_decoding(model_dirs,
     with pytest.raises(ValueError, match=r"no speculative method named \['vanilla_dflash'\]; choose from"):
         command.run_eval(args)
     assert not (tmp_path / REPORT_FILES["json"]).exists()
+
+
+def test_prompt_lookup_rows_run_beside_the_drafters_with_the_same_lossless_check(model_dirs, tmp_path, capsys):
+    """transformers' own prompt lookup as peer rows: one method per k, interleaved with the others, its greedy output
+    checked against plain decoding; no per-step acceptance is reported for it (transformers keeps none)."""
+    args = _eval_args(
+        model_dirs, tmp_path, "--prompt-lookup", "2", "4", "--temperatures", "0", "--modes", "non-thinking"
+    )
+    assert command.run_eval(args) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((tmp_path / REPORT_FILES["json"]).read_text())
+    assert data["run"]["methods"] == ["plain", "mtp-k2", "hyperdflash", "prompt-lookup-k2", "prompt-lookup-k4"]
+    (setting,) = data["settings"]
+    lookup = {m["name"]: m for m in setting["methods"] if m["name"].startswith("prompt-lookup")}
+    for name, k in (("prompt-lookup-k2", 2), ("prompt-lookup-k4", 4)):
+        assert lookup[name]["lossless"] == lookup[name]["compared"] == 2
+        assert lookup[name]["num_draft_tokens"] == k and lookup[name]["tau"] is None
+        assert 0 < lookup[name]["forwards_per_token"] <= 1
+        assert f"| {name} | {k} | – |" in printed

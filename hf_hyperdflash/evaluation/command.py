@@ -96,7 +96,15 @@ def run_eval(args: argparse.Namespace) -> int:
     target = load_target(target_path, device, args.dtype)
     mtp_steps = args.mtp_steps if mtp_dir else []
     methods = build_methods(
-        target, mtp_dir, mtp_steps, drafter_dirs, dict(args.draft_tokens), dtype, args.schedules, args.untrained
+        target,
+        mtp_dir,
+        mtp_steps,
+        drafter_dirs,
+        dict(args.draft_tokens),
+        dtype,
+        args.schedules,
+        args.untrained,
+        args.prompt_lookup,
     )
     ratio_pairs = _ratio_pairs(args.tau_ratio, [method.name for method in methods])
     results = evaluate(

@@ -103,9 +103,11 @@ def build_methods(
     dtype: torch.dtype = torch.float32,
     schedules: Sequence[str] = (DEFAULT_SCHEDULE,),
     untrained: bool = False,
+    prompt_lookup: Sequence[int] = (),
 ) -> list[Method]:
     """Plain decoding, native MTP at each depth in `mtp_steps`, the named drafters (in the given order), then an
-    untrained `from_target` HyperDFlash drafter if asked; every speculative method once per draft schedule.
+    untrained `from_target` HyperDFlash drafter if asked; every speculative method once per draft schedule; then
+    transformers' prompt lookup drafting k tokens per step for each k in `prompt_lookup` (it has no schedule).
 
     `draft_tokens` overrides the number of drafted tokens per step of named drafters (default: their own
     generation config, for block drafters `block_size - 1`). A "constant" method is named NAME-constant.
@@ -129,6 +131,10 @@ def build_methods(
     for schedule in schedules:
         suffix = "" if schedule == DEFAULT_SCHEDULE else f"-{schedule}"
         methods += [dataclasses.replace(m, name=m.name + suffix, schedule=schedule) for m in speculative]
+    for k in prompt_lookup:
+        methods.append(
+            Method(f"prompt-lookup-k{k}", num_draft_tokens=k, generate_options={"prompt_lookup_num_tokens": k})
+        )
     names = [method.name for method in methods]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:

@@ -137,6 +137,16 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "methods are named NAME-constant) (default: adaptive).",
     )
     models.add_argument(
+        "--prompt-lookup",
+        type=_positive_int,
+        nargs="*",
+        default=[],
+        metavar="K",
+        help="Also evaluate transformers' own prompt lookup drafting K tokens per step (`prompt_lookup_num_tokens`), "
+        "one method per K, named prompt-lookup-kK: the drafting a transformers user already has, exact on these "
+        "targets once the package is loaded (default: none).",
+    )
+    models.add_argument(
         "--untrained",
         action="store_true",
         help="Also evaluate an untrained HyperDFlash drafter built with `from_target` (named 'untrained'): what a "

@@ -74,7 +74,7 @@ def _method_table(results: list[MethodResult]) -> list[str]:
         acceptance = result.acceptance_per_position
         cells = [result.name, str(result.num_draft_tokens or "–"), _number(result.tau)]
         cells += [_number(acceptance[k]) if k < len(acceptance) else "–" for k in range(positions)]
-        drafts = result.num_draft_tokens > 0  # plain decoding has neither column
+        drafts = bool(result.proposed_per_step or result.skipped_steps)  # plain decoding, prompt lookup: no record
         cells += [_number(result.drafted_per_step) if drafts else "–"]
         cells += [_number(result.skipped_share, "{:.0%}") if drafts else "–"]
         cells += [_number(result.forwards_per_token), _number(result.median_tokens_per_second, "{:.1f}")]

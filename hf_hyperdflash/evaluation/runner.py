@@ -36,7 +36,9 @@ class Method:
     """A way to decode: plain (`drafter` None) or speculative with a drafter.
 
     `num_draft_tokens` overrides the drafter's `generation_config.num_assistant_tokens` (native MTP's depth k), and
-    `schedule` its `num_assistant_tokens_schedule` ("adaptive" or "constant").
+    `schedule` its `num_assistant_tokens_schedule` (draft_options.SCHEDULES). `generate_options` go to every
+    `generate` call: transformers' own drafting (`prompt_lookup_num_tokens`) is a method without a drafter, whose
+    per-step acceptance is not reported (forwards per token and speed are).
     `context`, given the prompt ids, returns a context entered around each of this method's `generate` calls
     (outside the timed region): a hook for test oracles and fault injection.
     """
@@ -45,6 +47,7 @@ class Method:
     drafter: PreTrainedModel | None = None
     num_draft_tokens: int | None = None
     schedule: str | None = None
+    generate_options: dict = field(default_factory=dict)
     context: Callable[[torch.LongTensor], AbstractContextManager] | None = None
 
 
@@ -193,16 +196,18 @@ def _decode(
     with context, _drafting_settings(method), _counting_forwards(target) as forwards:
         torch.manual_seed(seed)
         start = synchronized_clock()
-        output = target.generate(input_ids, **assistant, **settings)
+        output = target.generate(input_ids, **assistant, **method.generate_options, **settings)
         seconds = synchronized_clock() - start
     if method.drafter is not None:
         return output, seconds, method.drafter.last_generation_stats
-    return output, seconds, _plain_stats(output.shape[1] - input_ids.shape[1], forwards[0])
+    new_tokens = output.shape[1] - input_ids.shape[1]
+    return output, seconds, _forward_counts(method.num_draft_tokens or 0, new_tokens, forwards[0])
 
 
-def _plain_stats(new_tokens: int, target_forwards: int) -> GenerationStats:
-    """Plain decoding's run as `last_generation_stats`: no drafts, no verify steps."""
-    return GenerationStats(num_draft_tokens=0, target_forwards=target_forwards, new_tokens=new_tokens)
+def _forward_counts(num_draft_tokens: int, new_tokens: int, target_forwards: int) -> GenerationStats:
+    """A run without a drafter (plain decoding, prompt lookup) as `last_generation_stats`: its forwards and tokens,
+    no per-step record."""
+    return GenerationStats(num_draft_tokens=num_draft_tokens, target_forwards=target_forwards, new_tokens=new_tokens)
 
 
 def _prompt_record(prompt_tokens: int) -> dict:
