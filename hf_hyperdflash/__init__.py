@@ -33,8 +33,10 @@ def _load_runtime() -> None:
     from .modeling.configuration_hyperdflash import HyperDFlashConfig
     from .modeling.drafting import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
     from .modeling.integration import install_generate_integration
+    from .pipeline_assistants import install_pipeline_assistant_loading
 
     install_generate_integration()
+    install_pipeline_assistant_loading()
 
     AutoConfig.register(HyperDFlashConfig.model_type, HyperDFlashConfig, exist_ok=True)
     AutoModel.register(HyperDFlashConfig, HyperDFlashForDrafting, exist_ok=True)

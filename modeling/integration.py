@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -252,6 +253,11 @@ def _wrap_generate(original_generate: Callable) -> Callable:
     def generate(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         drafter = bound.get("assistant_model")
+        if isinstance(drafter, str | os.PathLike):
+            raise ValueError(
+                f"`assistant_model` must be a loaded model, got the path {str(drafter)!r}: load the drafter with "
+                "`AutoModel.from_pretrained(path, trust_remote_code=True)` and pass it."
+            )
         if is_speculative_drafter(drafter):
             return speculative_generate(original_generate, GenerateRequest.from_arguments(self, bound), drafter)
         if uses_stock_drafting(self, bound):

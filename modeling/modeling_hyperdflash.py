@@ -30,6 +30,8 @@ from .strict_loading import StrictLoadingMixin
 from .target_fingerprint import target_fingerprint
 from .targets import get_target_adapter
 
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
 
 def spread_target_layers(num_target_layers: int, count: int) -> list[int]:
     """DFlash's choice of conditioning layers (z-lab's `build_target_layer_ids`): `count` layers evenly spread over
@@ -180,9 +182,16 @@ class HyperDFlashDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+def special_token_ids(target_config: PretrainedConfig) -> dict[str, int | list[int] | None]:
+    """The target's bos/eos/pad ids, which a drafter config carries: transformers' pipeline compares them (and the
+    vocabulary) to tell whether an assistant shares the target's tokenizer, and fails on a config without them."""
+    return {name: getattr(target_config, name, None) for name in SPECIAL_TOKEN_IDS}
+
+
 def drafter_config_for(target_config: PretrainedConfig, **overrides) -> HyperDFlashConfig:
     """The config of a drafter for a target with `target_config` (no weights needed: `hyperdflash plan` sizes
-    drafters from a config alone). Target dimensions from the target, draft-layer sizes from its hidden size."""
+    drafters from a config alone). Target dimensions and special token ids from the target, draft-layer sizes from
+    its hidden size."""
     if target_config.model_type not in TARGET_MODEL_TYPES:
         raise ValueError(
             f"HyperDFlash supports targets with model_type in {TARGET_MODEL_TYPES}, got {target_config.model_type!r}."
@@ -207,6 +216,7 @@ def drafter_config_for(target_config: PretrainedConfig, **overrides) -> HyperDFl
         "num_key_value_heads": max(d for d in range(1, max(1, num_heads // 4) + 1) if num_heads % d == 0),
         "intermediate_size": 3 * hidden,
         "context_window": DEFAULT_CONTEXT_WINDOW,
+        **special_token_ids(target_config),
         **overrides,
     }
     if settings.get("conditioning") == "intermediate" and settings.get("target_layer_ids") is None:

@@ -43,6 +43,9 @@ pinned by a test in `tests/test_transformers_internals.py`, run on both versions
   query/key/value/g/beta/initial_state and store the state last (`cache_linear_attention.py`)
   (test_linear_attention_forwards_call_their_kernels_by_module_name); `LinearAttentionLayer` conv and recurrent
   state methods (tests/test_linear_attention_cache.py)
+- `pipelines.base.load_assistant_model(model, assistant_model, assistant_tokenizer)`, called by name from
+  `Pipeline.__init__`: wrapped by the library (`hf_hyperdflash/pipeline_assistants.py`) so a pipeline takes a
+  drafter by path (test_pipelines_load_a_named_assistant_through_load_assistant_model)
 - the cache argument's name, `CACHE_ARGUMENT` below (test_cache_argument_is_the_installed_versions)
 """
 

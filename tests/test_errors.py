@@ -233,3 +233,8 @@ def test_stock_assistant_keeps_transformers_assisted_decoding(monkeypatch):
     assert torch.equal(plain, assisted)
     assert calls and set(calls) == {AssistedCandidateGenerator}
     assert not hasattr(assistant, "last_generation_stats")
+
+
+def test_a_drafter_path_given_to_generate_is_refused_with_what_to_do(target, tmp_path):
+    with pytest.raises(ValueError, match=r"must be a loaded model.*AutoModel.from_pretrained\(path"):
+        target.generate(torch.tensor([[5, 6, 7]]), assistant_model=str(tmp_path), max_new_tokens=2)

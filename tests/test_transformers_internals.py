@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 import transformers.generation.utils as generation_utils
+import transformers.pipelines.base as pipeline_base
 from packaging.requirements import Requirement
 from packaging.version import Version
 from transformers import DynamicCache, GenerationConfig, GenerationMixin
@@ -127,6 +128,14 @@ def test_stateful_guard_is_checked_on_the_instance():
     `_is_stateful` (`call_scope.lifted_stateful_guard`), so generate() must read it from the instance."""
     assert "self._is_stateful" in inspect.getsource(GenerationMixin._validate_generation_mode)
     assert "_is_stateful" in vars(DeepseekV4PreTrainedModel) and DeepseekV4PreTrainedModel._is_stateful is True
+
+
+def test_pipelines_load_a_named_assistant_through_load_assistant_model():
+    """`pipeline(..., assistant_model="<drafter folder>")` works because the library wraps this module function."""
+    original = inspect.unwrap(pipeline_base.load_assistant_model)
+    assert list(inspect.signature(original).parameters) == ["model", "assistant_model", "assistant_tokenizer"]
+    assert "load_assistant_model(" in inspect.getsource(pipeline_base.Pipeline.__init__)
+    assert pipeline_base.load_assistant_model._loads_hyperdflash_drafters  # installed with the library
 
 
 def test_relative_import_files_follows_the_entry_modules_imports():

@@ -1,4 +1,4 @@
-"""Train a HyperDFlash (or vanilla-DFlash) drafter against a frozen mHC target (DeepSeek-V4, HY-V4).
+"""Train a HyperDFlash (or vanilla-DFlash) drafter against a frozen mHC target of any supported family.
 
 Target features are computed online: every batch runs the frozen target once over the padded sequences,
 capturing the final pre-collapse residual (conditioning and KL teacher) and, for `conditioning="intermediate"`,
@@ -21,7 +21,7 @@ from transformers import (
 
 from ..loading import import_bitsandbytes
 from ..modeling.generation_stats import mean_accepted_length
-from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
+from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting, special_token_ids
 from ..modeling.request_checks import check_compatible
 from ..modeling.targets import get_target_adapter
 from .collator import BlockCollator
@@ -64,7 +64,9 @@ def build_drafter(
             f"Drafter settings {sorted(overrides)} only apply to a new drafter; `init_from` keeps the saved config."
         )
     drafter = HyperDFlashForDrafting.from_pretrained(init_from, dtype=torch.float32)  # checks the path first
-    check_compatible(get_target_adapter(target), drafter)
+    adapter = get_target_adapter(target)
+    check_compatible(adapter, drafter)
+    drafter.config.update(special_token_ids(adapter.config))  # a drafter saved before configs carried them
     if not lora_rank:
         return drafter
     config = LoraConfig(
@@ -174,7 +176,7 @@ def train_drafter(
 
     `target` must sit on the accelerator's device. `run_dir` receives the checkpoint (resumed automatically),
     `log.jsonl` (every loss term, accuracies, lr, throughput, and `tau` on `eval_prompts` every
-    `loop.eval_every` steps) and `curves.png`.
+    `loop.eval_every` steps; also sent to the accelerator's trackers) and `curves.png`.
     """
     losses = losses or LossConfig()
     block_size = drafter.config.block_size
