@@ -20,7 +20,7 @@ from .draft_policy import DraftPolicy, StepRecord
 from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
 from .step_timer import IterationTiming, StepTimer
-from .target_base import HyperConnectionTarget
+from .target_base import HyperConnectionTarget, activation_dtype
 from .transformers_compat import CACHE_ARGUMENT
 
 
@@ -113,10 +113,11 @@ class MTPProposer:
         self.cache = RewindableDeepseekV4Cache(config=drafter.config, max_draft=num_draft_tokens)
 
     def _step(self, token_ids: torch.LongTensor, residual: torch.Tensor, positions: torch.LongTensor):
-        # The projections' dtype: `drafter.dtype` reports the first parameter's, a norm V4 may keep in fp32.
-        weight = self.drafter.e_proj.weight
-        device, dtype = weight.device, weight.dtype
+        # The projections' input dtype: `drafter.dtype` reports the first parameter's, a norm V4 may keep in fp32,
+        # and an FP8 projection takes the activations' dtype.
         embeds = self.target.embed(token_ids)
+        device = self.drafter.e_proj.weight.device
+        dtype = activation_dtype(self.drafter.e_proj, embeds.dtype)
         out = self.drafter(
             token_embeds=embeds.to(device, dtype),
             previous_residual=residual.to(device, dtype),

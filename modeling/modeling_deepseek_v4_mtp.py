@@ -29,6 +29,7 @@ from .draft_options import DEFAULT_MTP_DEPTH, DEFAULT_SCHEDULE
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
 from .remote_code import RemoteCodeMixin
+from .target_base import activation_dtype
 from .strict_loading import StrictLoadingMixin
 from .transformers_compat import CACHE_ARGUMENT
 
@@ -66,7 +67,7 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMix
         config = DeepseekV4MTPConfig.from_target_config(target.config)
         for key, value in overrides.items():
             setattr(config, key, value)
-        model = cls(config).to(dtype=target.lm_head.weight.dtype)
+        model = cls(config).to(dtype=activation_dtype(target.lm_head, target.get_input_embeddings().weight.dtype))
         model.hc_head.load_state_dict(target.model.hc_head.state_dict())
         model.norm.load_state_dict(target.model.norm.state_dict())
         return model

@@ -29,6 +29,13 @@ def execution_device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
+def activation_dtype(linear: nn.Module, fallback: torch.dtype) -> torch.dtype:
+    """The dtype `linear` takes its input in: its weight's, unless that is quantized to one byte (FP8 and int8
+    kernels take the model's activations), then `fallback`."""
+    weight = linear.weight
+    return weight.dtype if weight.element_size() > 1 else fallback
+
+
 def _states(layer_output: torch.Tensor | tuple) -> torch.Tensor:
     """A decoder layer's residual streams (some families also return extras, such as HY-V4's top-k indices)."""
     return layer_output[0] if isinstance(layer_output, tuple) else layer_output
@@ -103,7 +110,8 @@ class HyperConnectionTarget:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's `lm_head` on final-normed hidden states, computed where the head runs."""
-        return self.lm_head(hidden.to(execution_device(self.lm_head), self.lm_head.weight.dtype))
+        dtype = activation_dtype(self.lm_head, self.embed_tokens.weight.dtype)
+        return self.lm_head(hidden.to(execution_device(self.lm_head), dtype))
 
     @property
     def feature_device(self) -> torch.device:

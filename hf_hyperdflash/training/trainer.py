@@ -23,6 +23,7 @@ from ..loading import import_bitsandbytes
 from ..modeling.generation_stats import mean_accepted_length
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting, special_token_ids
 from ..modeling.request_checks import check_compatible
+from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
 from .collator import BlockCollator
 from .curves import plot_curves
@@ -133,7 +134,7 @@ class DrafterWithFrozenTarget(nn.Module):
         ).last_hidden_state
         drafted = hidden.unflatten(1, (anchor_positions.shape[1], -1))[:, :, 1:]  # slot 0 is the anchor
         lm_head = self.target.lm_head
-        logits = lm_head(drafted.to(lm_head.weight.dtype))
+        logits = lm_head(drafted.to(activation_dtype(lm_head, drafted.dtype)))
         return block_losses(logits, labels, teacher, self.losses)
 
 
