@@ -29,8 +29,8 @@ from .draft_options import DEFAULT_MTP_DEPTH, DEFAULT_SCHEDULE
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
 from .remote_code import RemoteCodeMixin
-from .target_base import activation_dtype
 from .strict_loading import StrictLoadingMixin
+from .target_base import activation_dtype
 from .transformers_compat import CACHE_ARGUMENT
 
 

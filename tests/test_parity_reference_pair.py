@@ -146,23 +146,17 @@ def test_refused_before_any_forward(tokenizer, target, drafters, options, messag
     assert not forwards
 
 
-def test_a_cache_from_a_shorter_draft_is_refused_up_front(tokenizer, target, drafters):
-    """A cache left by the MTP drafter (3 drafts) cannot rewind a HyperDFlash block: refused before any forward."""
+def test_a_cache_left_by_a_shorter_draft_continues_with_a_longer_one(tokenizer, target, drafters):
+    """The cache the MTP drafter's call returns (3 drafts per step) is plain decoding's, so a HyperDFlash block (7
+    drafts) continues from it: the call makes it rewindable for its own drafts, and the output is plain decoding's
+    over the whole conversation."""
     prompt = _chat(tokenizer, "Hello!")
     first = target.generate(
         prompt, max_new_tokens=6, do_sample=False, assistant_model=drafters["mtp"], return_dict_in_generate=True
     )
     follow_up = torch.cat([first.sequences, prompt[:, -3:]], dim=1)
-    forwards = []
-    hook = target.register_forward_pre_hook(lambda *_: forwards.append(1))
-    try:
-        with pytest.raises(ValueError, match="can rewind 3 tokens"):
-            target.generate(
-                follow_up,
-                max_new_tokens=4,
-                assistant_model=drafters["hyperdflash"],
-                **{CACHE_ARGUMENT: getattr(first, CACHE_ARGUMENT)},
-            )
-    finally:
-        hook.remove()
-    assert not forwards
+    cache = {CACHE_ARGUMENT: getattr(first, CACHE_ARGUMENT)}
+    continued = target.generate(
+        follow_up, max_new_tokens=12, do_sample=False, assistant_model=drafters["hyperdflash"], **cache
+    )
+    assert torch.equal(continued, target.generate(follow_up, max_new_tokens=12, do_sample=False))
