@@ -16,7 +16,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache_deepseek_v4 import RewindableDeepseekV4Cache
-from .draft_policy import DraftPolicy, StepRecord
+from .draft_policy import ConfidenceThreshold, DraftPolicy, StepRecord
 from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
 from .step_timer import IterationTiming, StepTimer
@@ -55,6 +55,12 @@ def draft_confidences(logits: torch.Tensor) -> list[float]:
     return logits.softmax(dim=-1).amax(dim=-1).flatten().tolist()
 
 
+def drafted_token_probabilities(logits: torch.Tensor, tokens: torch.LongTensor) -> list[float]:
+    """q of each drafted token ([1, k, V] processed logits, [1, k] tokens): what `assistant_confidence_threshold` is
+    compared with, as transformers' `ConfidenceCriteria` does."""
+    return logits.softmax(dim=-1).gather(-1, tokens[..., None].to(logits.device)).flatten().tolist()
+
+
 @dataclass
 class Draft:
     """One proposal: the drafted tokens [1, k], the processed logits they were picked from [1, k, V], the drafter's
@@ -64,6 +70,10 @@ class Draft:
     logits: torch.Tensor
     confidences: list[float]
     drafter_forwards: int
+
+    @property
+    def token_probabilities(self) -> list[float]:
+        return drafted_token_probabilities(self.logits, self.tokens)
 
 
 class BlockProposer:
@@ -85,7 +95,7 @@ class BlockProposer:
         input_ids: torch.LongTensor,
         num_tokens: int,
         pick: TokenPicker,
-        keep_drafting: Callable[[list[float]], bool],
+        keep_drafting: Callable[[list[float], list[float]], bool],
     ) -> Draft:
         """The whole block in one forward (`keep_drafting` is for drafters that spend a forward per token)."""
         device, dtype = self.drafter.device, self.drafter.dtype
@@ -134,18 +144,20 @@ class MTPProposer:
         input_ids: torch.LongTensor,
         num_tokens: int,
         pick: TokenPicker,
-        keep_drafting: Callable[[list[float]], bool],
+        keep_drafting: Callable[[list[float], list[float]], bool],
     ) -> Draft:
-        """Up to `num_tokens` drafts, one step each, stopping once `keep_drafting(confidences so far)` says so."""
+        """Up to `num_tokens` drafts, one step each, stopping once `keep_drafting(confidences, token probabilities
+        so far)` says so."""
         # Residual at position i pairs with the token at i + 1 (the newest one is the anchor).
         logits, residual = self._step(input_ids[:, positions[0] + 1], features, positions + 1)
-        candidates, all_logits, confidences = input_ids, [], []
+        candidates, all_logits, confidences, probabilities = input_ids, [], [], []
         while True:
             token, processed = pick(candidates, logits)
             candidates = torch.cat([candidates, token], dim=-1)
             all_logits.append(processed)
             confidences += draft_confidences(processed[:, None])
-            if len(all_logits) == num_tokens or not keep_drafting(confidences):
+            probabilities += drafted_token_probabilities(processed[:, None], token)
+            if len(all_logits) == num_tokens or not keep_drafting(confidences, probabilities):
                 break
             next_position = torch.full((1, 1), candidates.shape[1] - 1, device=input_ids.device)
             logits, residual = self._step(token, residual, next_position)
@@ -174,9 +186,10 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
     generators do. When the call continues from a cache that already holds a prefix of the prompt,
     that prefill feeds only the rest, as plain decoding does (transformers' assisted loop would feed
     the whole prompt again on top of the cache); the drafter's context then starts at the new tokens.
-    The draft policy decides each step whether to draft and how many drafts to verify; a step that
-    skips drafting returns no candidates, so the target decodes one token as plain decoding would, and
-    its features wait for the drafter's next forward.
+    The draft policy decides each step whether to draft and how many drafts to verify, and an
+    `assistant_confidence_threshold` may end the drafts earlier; a step that skips drafting returns no
+    candidates, so the target decodes one token as plain decoding would (with nothing timed but the step,
+    `StepTimer.time_parts`), and its features wait for the drafter's next forward.
     """
 
     requires_model_outputs = True
@@ -186,26 +199,34 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         *,
         proposer: BlockProposer | MTPProposer,
         capture: FeatureCapture,
-        num_draft_tokens: int,
         max_length: int,
         pick: TokenPicker,
         policy: DraftPolicy,
+        threshold: ConfidenceThreshold | None,
         stats: GenerationStats,
         timer: StepTimer,
     ):
-        self.proposer, self.capture, self.pick, self.stats, self.policy = proposer, capture, pick, stats, policy
-        self.num_draft_tokens, self.max_length = num_draft_tokens, max_length
+        self.proposer, self.capture, self.pick, self.stats = proposer, capture, pick, stats
+        self.policy, self.threshold, self.max_length = policy, threshold, max_length
         self.prompt_length: int | None = None
         self.consumed = 0  # leading positions whose features were taken (fed to the drafter or pending)
         self.model_kwargs_overrides: dict = {}  # merged into the target's forward inputs by transformers
-        self.pending: torch.Tensor | None = None  # verified features the drafter has not seen yet
+        # Verified features the drafter has not seen yet, one piece per step: joined once, when it next drafts
+        self.pending: list[torch.Tensor] = []
         self.timer = timer
         timer.on_close = self._iteration_done
         self._new_step()
 
     def _new_step(self) -> None:
         self.confidences: list[float] = []
+        self.token_probabilities: list[float] = []
         self.last_proposed = self.last_accepted = self.drafter_forwards = 0
+
+    def _keep_drafting(self, confidences: list[float], probabilities: list[float]) -> bool:
+        """A sequential drafter drafts one more token while the schedule, and the confidence threshold, agree."""
+        if self.threshold is not None and not self.threshold.keep_drafting(probabilities):
+            return False
+        return self.policy.keep_drafting(confidences)
 
     def get_candidates(
         self,
@@ -233,25 +254,28 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         # The last target forward covered the tokens after the previous verified prefix; of those,
         # everything but the newest (bonus) token of input_ids is verified now.
         num_new = input_ids.shape[1] - 1 - self.consumed
-        features = self.capture.features()[:, :num_new]
-        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+        self.pending.append(self.capture.features()[:, :num_new])
         self.consumed = input_ids.shape[1] - 1
 
-        num_tokens = min(self.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
+        num_tokens = min(self.policy.draft_length, self.max_length - input_ids.shape[1] - 1)
         if num_tokens <= 0:
             return input_ids, None
         if not self.policy.should_draft():
             self.stats.skipped_steps += 1
             return input_ids, None
-        context = self.pending
-        self.pending = None
+        self.timer.time_parts()
+        context = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1)
+        self.pending = []
         positions = torch.arange(input_ids.shape[1] - 1 - context.shape[1], input_ids.shape[1] - 1)[None]
         with self.timer.timed("draft"):
             draft = self.proposer.propose(
-                context, positions.to(input_ids.device), input_ids, num_tokens, self.pick, self.policy.keep_drafting
+                context, positions.to(input_ids.device), input_ids, num_tokens, self.pick, self._keep_drafting
             )
         self.confidences, self.drafter_forwards = draft.confidences, draft.drafter_forwards
         self.last_proposed = self.policy.choose(self.confidences)
+        if self.threshold is not None:
+            self.token_probabilities = draft.token_probabilities[: self.last_proposed]
+            self.last_proposed = self.threshold.cut(self.token_probabilities)
         if not self.last_proposed:
             return input_ids, None
         tokens, logits = draft.tokens[:, : self.last_proposed], draft.logits[:, : self.last_proposed]
@@ -262,6 +286,8 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         if self.last_proposed:
             self.stats.accepted_per_step.append(self.last_accepted)
             self.stats.proposed_per_step.append(self.last_proposed)
+            if self.threshold is not None:
+                self.threshold.record(self.token_probabilities[: self.last_proposed], self.last_accepted)
         self.stats.new_tokens = input_ids.shape[1] - self.prompt_length
 
     def _iteration_done(self, timing: IterationTiming) -> None:

@@ -1,27 +1,43 @@
-"""How many drafted tokens each step sends to verification, and whether to draft at all.
+"""How many drafted tokens each step sends to verification, whether to draft at all, and what a schedule keeps
+between calls.
 
-`AdaptiveDraftPolicy` (schedule "adaptive", the default) maximises expected tokens per second. Expected tokens
-come from the drafter's confidence at each drafted position (the top probability of its distribution there),
-mapped to an acceptance probability by a table calibrated during the call. Whether position j is verified depends
-only on what is known before its token is drawn (confidences 1..j, past steps), never on the drawn token or on later
-positions: a rule that looked at them would bias speculative sampling. Seconds come from this call's own
-timings of the drafter and of target forwards over 1..k+1 tokens: on a CPU a longer verify costs more, on a GPU
-about the same, so no cost is assumed. When drafting loses to plain decoding, steps decode plainly with no drafter
-forward, and a probe drafts again after a backoff that grows fourfold while probes keep losing.
+`AdaptiveDraftPolicy` (schedules "adaptive", the default, and "adaptive_transient") maximises expected tokens per
+second. Expected tokens come from the drafter's confidence at each drafted position (the top probability of its
+distribution there), mapped to an acceptance probability by a table calibrated online. Whether position j is
+verified depends only on what is known before its token is drawn (confidences 1..j, past steps), never on the drawn
+token or on later positions: a rule that looked at them would bias speculative sampling. Seconds come from timings
+of the drafter and of target forwards over 1..k+1 tokens: on a CPU a longer verify costs more, on a GPU about the
+same, so no cost is assumed. When drafting loses to plain decoding, steps decode plainly with no drafter forward,
+and a probe drafts again after a backoff that grows fourfold while probes keep losing. Under "adaptive" all of that
+(calibration, costs, backoff) carries over to the drafter's next call with the same target and setting
+(`ScheduleMemory`); "adaptive_transient" learns from nothing in every call.
 
-`ConstantDraftPolicy` (schedule "constant") drafts the full length every step.
+`HeuristicDraftPolicy` ("heuristic", "heuristic_transient") and `ConfidenceThreshold`
+(`assistant_confidence_threshold`) are transformers' own rules, `ConstantDraftPolicy` ("constant") drafts the full
+length every step. Every rule keeps speculative sampling exact: what decides whether draft j + 1 is verified is known
+before it is drawn.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .draft_options import ADAPTIVE_SCHEDULE, CONSTANT_SCHEDULE
+from .draft_options import (
+    ADAPTIVE_SCHEDULE,
+    ADAPTIVE_TRANSIENT_SCHEDULE,
+    BLOCK_DRAFTER_TYPE,
+    HEURISTIC_SCHEDULE,
+    HEURISTIC_TRANSIENT_SCHEDULE,
+    MAX_MTP_DEPTH,
+)
 
 
 @dataclass
@@ -50,11 +66,12 @@ class AcceptanceCalibration:
     """P(a draft is accepted | the drafts before it were) by the drafter's confidence in it, learned online.
 
     Confidences fall in equal-width bins; each bin starts from the prior that the drafter is calibrated (acceptance
-    equals confidence) with the weight of `prior_weight` observations, so a few steps move it.
+    equals confidence) with the weight of `prior_weight` observations, so a few steps move it. A bin holds at most
+    `max_weight` observations, older ones fading, so a calibration carried over many calls still follows drift.
     """
 
-    def __init__(self, bins: int = 10, prior_weight: float = 2.0):
-        self.bins = bins
+    def __init__(self, bins: int = 10, prior_weight: float = 2.0, max_weight: float = 200.0):
+        self.bins, self.max_weight = bins, max_weight
         self.accepted = [prior_weight * (b + 0.5) / bins for b in range(bins)]
         self.tried = [prior_weight] * bins
 
@@ -71,6 +88,10 @@ class AcceptanceCalibration:
             b = self._bin(confidence)
             self.tried[b] += 1
             self.accepted[b] += position < accepted
+            if self.tried[b] > self.max_weight:
+                scale = self.max_weight / self.tried[b]
+                self.tried[b] *= scale
+                self.accepted[b] *= scale
 
 
 class RunningMean:
@@ -85,7 +106,7 @@ class RunningMean:
 
 class StepCosts:
     """Seconds per drafter forward and per step by verified length (a target forward over n tokens plus the step's
-    bookkeeping), measured during the call. Lengths not yet seen are read off a line fitted to the ones seen."""
+    bookkeeping), as measured. Lengths not yet seen are read off a line fitted to the ones seen."""
 
     def __init__(self):
         self.drafter_forward = RunningMean()
@@ -120,11 +141,17 @@ class StepCosts:
 
 
 class DraftPolicy(ABC):
-    """What the candidate generator asks each step: whether to draft, whether a sequential drafter (one forward per
-    token) drafts one more, and how many of the drafts to verify; then it reports how the step went."""
+    """What the candidate generator asks each step: whether to draft, how many tokens to draft at most, whether a
+    sequential drafter (one forward per token) drafts one more, and how many of the drafts to verify; then it
+    reports how the step went."""
 
     def __init__(self, max_draft: int):
-        self.max_draft = max_draft
+        self.max_draft = max_draft  # the most drafts any step of the call verifies (its caches are sized for it)
+
+    @property
+    def draft_length(self) -> int:
+        """The most tokens the next step drafts."""
+        return self.max_draft
 
     @abstractmethod
     def should_draft(self) -> bool:
@@ -159,11 +186,34 @@ class ConstantDraftPolicy(DraftPolicy):
         pass
 
 
+class HeuristicDraftPolicy(ConstantDraftPolicy):
+    """transformers' "heuristic" schedule (`AssistedCandidateGenerator.update_candidate_strategy`): after a step
+    whose drafts were all accepted the draft length grows by 2, after any other it shrinks by 1 (to 1 at least).
+
+    It starts from `num_assistant_tokens` and stays within what the call drafts (`max_draft`: for a block drafter,
+    its block), so the length it leaves for the next call is one that call can draft. A step at the end of the
+    budget that drafts nothing counts as all accepted, as in transformers.
+    """
+
+    def __init__(self, max_draft: int, num_assistant_tokens: int):
+        super().__init__(max_draft)
+        self.num_assistant_tokens = num_assistant_tokens
+
+    @property
+    def draft_length(self) -> int:
+        return self.num_assistant_tokens
+
+    def record(self, step: StepRecord) -> None:
+        length = self.num_assistant_tokens + 2 if step.accepted == step.proposed else self.num_assistant_tokens - 1
+        self.num_assistant_tokens = min(max(length, 1), self.max_draft)
+
+
 class AdaptiveDraftPolicy(DraftPolicy):
     """Chooses each step's draft length for the most expected tokens per second (see the module docstring).
 
     Block drafters draft the whole block in one forward and `choose` how many drafts to verify; a drafter that spends
-    one forward per token (native MTP) also asks `keep_drafting` after each one.
+    one forward per token (native MTP) also asks `keep_drafting` after each one. The instance is its learned state:
+    `ScheduleMemory` keeps it from one call to the next.
     """
 
     max_backoff = 64  # plain steps between probes at most
@@ -217,9 +267,10 @@ class AdaptiveDraftPolicy(DraftPolicy):
         """Unless the recent drafted steps show drafting losing to plain steps beyond their noise: their mean tokens
         per step gets one standard error of benefit of the doubt (at least a fair coin's, 0.5 / sqrt(steps)). One
         step's accept/reject is a coin flip, and a drafter that wins by 15% would otherwise lose after two unlucky
-        steps."""
+        steps. Their seconds count by the median: one slow step (a first call's one-off costs, a busy machine) stays
+        in the window until 16 probes replace it, which in a long backoff takes a thousand steps."""
         tokens = [n for n, _ in self.recent_drafted_steps]
-        seconds = statistics.fmean(t for _, t in self.recent_drafted_steps)
+        seconds = statistics.median(t for _, t in self.recent_drafted_steps)
         spread = max(statistics.stdev(tokens) if len(tokens) > 1 else 0.0, 0.5)
         optimistic_tokens = statistics.fmean(tokens) + spread / math.sqrt(len(tokens))
         return optimistic_tokens / seconds >= 1.0 / self.costs.step_seconds_up_to(1)[0]
@@ -237,11 +288,171 @@ class AdaptiveDraftPolicy(DraftPolicy):
             self.backoff = min(self.backoff_growth * self.backoff, self.max_backoff)
 
 
-POLICIES: dict[str, type[DraftPolicy]] = {
-    ADAPTIVE_SCHEDULE: AdaptiveDraftPolicy,
-    CONSTANT_SCHEDULE: ConstantDraftPolicy,
-}
+def lowest_cost_threshold(scores: Sequence[float], positives: Sequence[bool]) -> float:
+    """The threshold (positive at or above it) among `scores` with the least false positive rate + 3 x false negative
+    rate, the highest of equals: the point transformers picks on sklearn's `roc_curve` (whose first threshold, above
+    every score, costs 3 and never wins). Needs both outcomes among `positives`."""
+    num_positive = sum(positives)
+    num_negative = len(positives) - num_positive
+    ranked = sorted(zip(scores, positives, strict=True), key=lambda pair: -pair[0])
+    best, lowest = math.inf, 3.0
+    true_positives = false_positives = 0
+    for i, (score, positive) in enumerate(ranked):
+        true_positives += positive
+        false_positives += not positive
+        if i + 1 < len(ranked) and ranked[i + 1][0] == score:  # a threshold takes in every equal score
+            continue
+        cost = false_positives / num_negative + 3 * (1 - true_positives / num_positive)
+        if cost < lowest:
+            best, lowest = score, cost
+    return best
 
 
-def make_draft_policy(schedule: str, max_draft: int) -> DraftPolicy:
-    return POLICIES[schedule](max_draft)
+class ConfidenceThreshold:
+    """transformers' `assistant_confidence_threshold`: a step's drafts end with the first one whose probability
+    under the drafter is below the threshold (that draft is still verified; for a block drafter the block is cut
+    there, a sequential one stops drafting).
+
+    After every step the threshold moves to `lowest_cost_threshold` of the call's verified drafts (probability
+    against accepted), once more than 5 are known with both outcomes among them, as
+    `AssistedCandidateGenerator.update_candidate_strategy` does; like transformers, which tunes a copy of the
+    assistant's generation config, each call starts from the configured value.
+    """
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+        self.probabilities: list[float] = []
+        self.accepted: list[bool] = []
+
+    def keep_drafting(self, probabilities: Sequence[float]) -> bool:
+        """After each token of a sequential drafter, from the probabilities of the drafts so far."""
+        return probabilities[-1] >= self.threshold
+
+    def cut(self, probabilities: Sequence[float]) -> int:
+        """How many of the drafts to verify: up to and including the first below the threshold."""
+        below = next((k for k, probability in enumerate(probabilities, 1) if probability < self.threshold), None)
+        return len(probabilities) if below is None else below
+
+    def record(self, probabilities: Sequence[float], accepted: int) -> None:
+        """`probabilities` of a step's verified drafts, of which the first `accepted` were accepted."""
+        judged = probabilities[: accepted + 1]
+        self.probabilities += judged
+        self.accepted += [True] * accepted + [False] * (len(judged) - accepted)
+        if len(self.probabilities) > 5 and True in self.accepted and False in self.accepted:
+            self.threshold = lowest_cost_threshold(self.probabilities, self.accepted)
+
+
+@dataclass(frozen=True)
+class ScheduleKey:
+    """What the adaptive schedule's learned state holds for, besides the target instance: where and in which
+    precision the target and the drafter run (step costs), how tokens are picked (`temperature` None: greedy;
+    acceptance depends on it) and the call's longest draft (whether drafting pays)."""
+
+    target_device: str
+    target_dtype: str
+    drafter_device: str
+    drafter_dtype: str
+    temperature: float | None
+    max_draft: int
+
+    @classmethod
+    def of(cls, target, drafter, generation_config, max_draft: int) -> ScheduleKey:
+        """For a call of `target.generate(assistant_model=drafter)` under `generation_config`."""
+        temperature = None
+        if generation_config.do_sample:
+            temperature = float(generation_config.temperature if generation_config.temperature is not None else 1.0)
+        devices = (str(target.device), str(target.dtype), str(drafter.device), str(drafter.dtype))
+        return cls(*devices, temperature, max_draft)
+
+
+class ScheduleMemory:
+    """What the adaptive schedule learned with one drafter, kept between its generate() calls: an
+    `AdaptiveDraftPolicy` per target instance (held weakly: a freed target takes its entries along) and `ScheduleKey`.
+
+    Thread-safe without serialising calls: a call decodes with a private copy of the learned policy and puts its own
+    back once it completes; with concurrent calls, the one that completes last is kept (as for
+    `last_generation_stats`). A copy of the drafter (deepcopy, pickle) starts with an empty memory: what it holds
+    belongs to this machine and these target instances.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._policies: weakref.WeakKeyDictionary[object, dict[ScheduleKey, AdaptiveDraftPolicy]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def checkout(self, target, key: ScheduleKey) -> AdaptiveDraftPolicy:
+        """A private copy of what was learned for (`target`, `key`), or a fresh policy."""
+        with self._lock:
+            learned = self._policies.get(target, {}).get(key)
+        # A kept policy is never changed again (its call is over), so it is copied outside the lock
+        return copy.deepcopy(learned) if learned is not None else AdaptiveDraftPolicy(key.max_draft)
+
+    def keep(self, target, key: ScheduleKey, policy: AdaptiveDraftPolicy) -> None:
+        """After a call completed: its policy is what the next call with (`target`, `key`) starts from."""
+        with self._lock:
+            self._policies.setdefault(target, {})[key] = policy
+
+    def settings(self, target) -> list[ScheduleKey]:
+        """The settings learned with `target`."""
+        with self._lock:
+            return list(self._policies.get(target, {}))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._policies.clear()
+
+    def __deepcopy__(self, memo: dict) -> ScheduleMemory:
+        return ScheduleMemory()
+
+    def __reduce__(self) -> tuple:
+        return ScheduleMemory, ()
+
+
+_MEMORY_ATTRIBUTE = "_hyperdflash_schedule_memory"  # on the drafter instance: not a parameter, buffer or config entry
+
+
+def schedule_memory(drafter) -> ScheduleMemory:
+    """The drafter's `ScheduleMemory`, made on first use (`dict.setdefault` is atomic: concurrent first calls get
+    the same one)."""
+    return vars(drafter).setdefault(_MEMORY_ATTRIBUTE, ScheduleMemory())
+
+
+def reset_draft_schedule(drafter) -> None:
+    """Forget what the adaptive schedule learned with `drafter` (every target and setting): its next call starts
+    afresh. The heuristic schedule's length is `drafter.generation_config.num_assistant_tokens`; set that."""
+    memory = vars(drafter).get(_MEMORY_ATTRIBUTE)
+    if memory is not None:
+        memory.clear()
+
+
+class CallSchedule:
+    """One generate() call's draft policy and confidence threshold, and what the call leaves for the drafter's next
+    one once it completes: "adaptive" what it learned (`ScheduleMemory`), "heuristic" its draft length (on
+    `drafter.generation_config.num_assistant_tokens`, where transformers keeps it)."""
+
+    def __init__(self, name: str, drafter, target, generation_config, num_draft_tokens: int):
+        self.name, self.drafter, self.target = name, drafter, target
+        if name == ADAPTIVE_SCHEDULE:
+            self.key = ScheduleKey.of(target, drafter, generation_config, num_draft_tokens)
+            self.policy: DraftPolicy = schedule_memory(drafter).checkout(target, self.key)
+        elif name == ADAPTIVE_TRANSIENT_SCHEDULE:
+            self.policy = AdaptiveDraftPolicy(num_draft_tokens)
+        elif name in (HEURISTIC_SCHEDULE, HEURISTIC_TRANSIENT_SCHEDULE):
+            self.policy = HeuristicDraftPolicy(_longest_heuristic_draft(drafter, num_draft_tokens), num_draft_tokens)
+        else:
+            self.policy = ConstantDraftPolicy(num_draft_tokens)
+        threshold = drafter.generation_config.assistant_confidence_threshold
+        self.threshold = ConfidenceThreshold(float(threshold)) if threshold else None
+
+    def finish(self) -> None:
+        if self.name == ADAPTIVE_SCHEDULE:
+            schedule_memory(self.drafter).keep(self.target, self.key, self.policy)
+        elif self.name == HEURISTIC_SCHEDULE:
+            self.drafter.generation_config.num_assistant_tokens = self.policy.num_assistant_tokens
+
+
+def _longest_heuristic_draft(drafter, num_draft_tokens: int) -> int:
+    """How far the heuristic schedule may grow the draft: a block drafter's block, else `MAX_MTP_DEPTH`."""
+    config = drafter.config
+    return config.block_size - 1 if config.model_type == BLOCK_DRAFTER_TYPE else max(num_draft_tokens, MAX_MTP_DEPTH)

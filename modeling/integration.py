@@ -30,13 +30,14 @@ from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedMod
 from . import call_scope
 from .candidate_generator import BlockProposer, MTPProposer, SpeculativeCandidateGenerator, TokenPicker
 from .draft_options import BLOCK_DRAFTER_TYPE, DRAFTER_TYPES
-from .draft_policy import make_draft_policy
+from .draft_policy import CallSchedule
 from .generation_stats import GenerationStats
 from .indexer_ties import install_deterministic_indexer
 from .output_split import outputs_split_per_token
 from .request_checks import (
     check_cached_prefix,
     check_compatible,
+    check_confidence_threshold,
     check_prompt,
     draft_schedule,
     num_draft_tokens,
@@ -149,18 +150,21 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     target = get_target_adapter(request.model)
     check_compatible(target, drafter)
     draft_length = num_draft_tokens(drafter)
-    schedule = draft_schedule(drafter)
+    schedule_name = draft_schedule(drafter)
+    check_confidence_threshold(drafter)
     refuse_incompatible_options(request.generation_config, drafter)
     check_prompt(request.input_ids)
     refuse_images(request.kwargs)
     if request.cache is not None:
         check_cached_prefix(request.cache, request.input_ids.shape[1])
+    schedule = CallSchedule(schedule_name, drafter, request.model, request.generation_config, draft_length)
+    max_draft = schedule.policy.max_draft  # "heuristic" may grow past `draft_length`
     if drafter.config.model_type == BLOCK_DRAFTER_TYPE:
         proposer = BlockProposer(drafter, target)
     else:
-        proposer = MTPProposer(drafter, target, draft_length)
-    stats = GenerationStats(num_draft_tokens=draft_length, schedule=schedule)
-    cache = _call_cache(target, request.cache, draft_length)
+        proposer = MTPProposer(drafter, target, max_draft)
+    stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)
+    cache = _call_cache(target, request.cache, max_draft)
     timer = StepTimer()
     with target.capture(proposer.feature_layers) as capture, timer.attach(request.model, cache):
 
@@ -168,15 +172,16 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
             return SpeculativeCandidateGenerator(
                 proposer=proposer,
                 capture=capture,
-                num_draft_tokens=draft_length,
                 max_length=generation_config.max_length,
                 pick=TokenPicker(logits_processor, bool(generation_config.do_sample)),
-                policy=make_draft_policy(schedule, draft_length),
+                policy=schedule.policy,
+                threshold=schedule.threshold,
                 stats=stats,
                 timer=timer,
             )
 
         output = _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
+    schedule.finish()  # after the timer closed the last step, which the schedule learns from too
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     stats.new_tokens = sequences.shape[1] - request.input_ids.shape[1]
     stats.seconds = synchronized_clock() - start

@@ -3,6 +3,7 @@ valid, and the generate() options can be honoured exactly (docs/generate_parity.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -80,9 +81,22 @@ def draft_schedule(drafter: PreTrainedModel) -> str:
         raise ValueError(
             f"`drafter.generation_config.num_assistant_tokens_schedule` is {schedule!r}; this drafter takes one of "
             f"{list(SCHEDULES)}: 'adaptive' chooses each step's draft length from the drafter's confidence and the "
-            "measured costs, 'constant' always drafts `num_assistant_tokens`."
+            "measured costs and keeps what it learned for the next call ('adaptive_transient' starts afresh each "
+            "call), 'heuristic' and 'heuristic_transient' are transformers' own, 'constant' always drafts "
+            "`num_assistant_tokens`."
         )
     return schedule
+
+
+def check_confidence_threshold(drafter: PreTrainedModel) -> None:
+    """`drafter.generation_config.assistant_confidence_threshold`: None or 0 (off), or a probability."""
+    threshold = getattr(getattr(drafter, "generation_config", None), "assistant_confidence_threshold", None)
+    number = isinstance(threshold, int | float) and not isinstance(threshold, bool)
+    if threshold is not None and not (number and math.isfinite(threshold) and 0 <= threshold <= 1):
+        raise ValueError(
+            f"`drafter.generation_config.assistant_confidence_threshold` must be a probability in [0, 1] (drafting "
+            f"stops after a draft less likely than that under the drafter) or None, got {threshold!r}."
+        )
 
 
 def refuse_incompatible_options(generation_config: GenerationConfig, drafter: PreTrainedModel) -> None:

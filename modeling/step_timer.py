@@ -35,8 +35,10 @@ class StepTimer:
     """Splits each decoding iteration's wall time into drafting, the target forward and the cache rollback.
 
     An iteration runs from one `get_candidates` call to the next (the last one to the end of `generate`); what
-    the three parts leave over (acceptance, logits processors, feature bookkeeping) is the step's overhead. Each
-    closed iteration goes to `on_close` (set by the candidate generator, which knows what the step drafted).
+    the three parts leave over (acceptance, logits processors, feature bookkeeping) is the step's overhead. Only an
+    iteration that drafts is split (`time_parts`): the others are timed as a whole, so a step that skips drafting
+    costs what plain decoding's does, with no synchronisation around its forward and rollback. Each closed iteration
+    goes to `on_close` (set by the candidate generator, which knows what the step drafted).
     """
 
     def __init__(self):
@@ -44,6 +46,7 @@ class StepTimer:
         self.forward_start = 0.0
         self.parts = {"draft": 0.0, "verify": 0.0, "rollback": 0.0}
         self.iterations = 0
+        self.timing_parts = False
         self.on_close: Callable[[IterationTiming], None] | None = None
 
     def _close(self, now: float) -> None:
@@ -58,6 +61,11 @@ class StepTimer:
         self._close(now)
         self.start, self.iterations = now, self.iterations + 1
         self.parts = dict.fromkeys(self.parts, 0.0)
+        self.timing_parts = False
+
+    def time_parts(self) -> None:
+        """Split the current iteration into drafting, verify forward and rollback (a step that drafts)."""
+        self.timing_parts = True
 
     @contextmanager
     def timed(self, part: str) -> Iterator[None]:
@@ -68,10 +76,12 @@ class StepTimer:
             self.parts[part] += synchronized_clock() - start
 
     def _forward_started(self, *_) -> None:
-        self.forward_start = synchronized_clock()
+        if self.timing_parts:
+            self.forward_start = synchronized_clock()
 
     def _forward_done(self, *_) -> None:
-        self.parts["verify"] += synchronized_clock() - self.forward_start
+        if self.timing_parts:
+            self.parts["verify"] += synchronized_clock() - self.forward_start
 
     @contextmanager
     def attach(self, model: PreTrainedModel, cache: Cache) -> Iterator[None]:
@@ -79,6 +89,8 @@ class StepTimer:
         crop = cache.crop
 
         def timed_crop(*args, **kwargs):
+            if not self.timing_parts:
+                return crop(*args, **kwargs)
             with self.timed("rollback"):
                 return crop(*args, **kwargs)
 

@@ -1,21 +1,34 @@
-"""The adaptive draft policy: its arithmetic on synthetic steps, and what it does inside generate()."""
+"""The draft schedules: their arithmetic on synthetic steps, what they keep between calls, and what they do inside
+generate()."""
 
+import copy
+import gc
+import pickle
 import subprocess
 import sys
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModel
 
-from hf_hyperdflash.modeling import HyperDFlashForDrafting
+from hf_hyperdflash.modeling import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.modeling.draft_policy import (
     AcceptanceCalibration,
     AdaptiveDraftPolicy,
+    CallSchedule,
+    ConfidenceThreshold,
     ConstantDraftPolicy,
+    HeuristicDraftPolicy,
+    ScheduleKey,
+    ScheduleMemory,
     StepCosts,
     StepRecord,
     expected_tokens,
-    make_draft_policy,
+    lowest_cost_threshold,
+    reset_draft_schedule,
+    schedule_memory,
 )
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
@@ -39,6 +52,16 @@ def test_calibration_counts_accepted_drafts_and_the_first_rejected_one_only():
     assert calibration.probability(0.1) == pytest.approx(0.5 / 3)
     calibration.update([0.1], proposed=0, accepted=0)  # drafted but nothing verified: nothing learned
     assert calibration.probability(0.1) == pytest.approx(0.5 / 3)
+
+
+def test_calibration_evidence_is_capped_so_old_calls_fade():
+    calibration = AcceptanceCalibration(bins=1, prior_weight=2.0, max_weight=10.0)
+    for _ in range(20):
+        calibration.update([0.5], proposed=1, accepted=1)
+    assert calibration.tried == [10.0] and calibration.probability(0.5) > 0.9
+    for _ in range(10):  # the drafter stops matching: ten rejections outweigh the twenty acceptances
+        calibration.update([0.5], proposed=1, accepted=0)
+    assert calibration.tried == [10.0] and calibration.probability(0.5) < 0.4
 
 
 def test_step_costs_are_flat_from_one_length_and_a_line_from_several():
@@ -101,10 +124,58 @@ def test_sequential_drafting_stops_when_the_next_draft_does_not_pay():
 
 
 def test_constant_policy_always_drafts_everything():
-    policy = make_draft_policy("constant", max_draft=3)
-    assert type(policy) is ConstantDraftPolicy
+    policy = ConstantDraftPolicy(max_draft=3)
     assert policy.should_draft() and policy.keep_drafting([0.0]) and policy.choose([0.0, 0.0]) == 2
-    assert type(make_draft_policy("adaptive", 3)) is AdaptiveDraftPolicy
+    assert policy.draft_length == 3
+
+
+def test_heuristic_grows_by_two_after_a_fully_accepted_step_and_shrinks_by_one_otherwise():
+    """transformers' rule, within 1..max_draft; a step at the end of the budget (nothing drafted) counts as full."""
+    policy = HeuristicDraftPolicy(max_draft=7, num_assistant_tokens=3)
+    lengths = []
+    for proposed, accepted in [(3, 3), (5, 2), (4, 4), (6, 6), (7, 0), (6, 0), (5, 0), (4, 0), (3, 0), (2, 0), (0, 0)]:
+        assert policy.draft_length == proposed or proposed == 0
+        policy.record(_step(proposed=proposed, accepted=accepted, seconds=1.0, draft=0.1))
+        lengths.append(policy.draft_length)
+    assert lengths == [5, 4, 6, 7, 6, 5, 4, 3, 2, 1, 3]
+    assert policy.should_draft() and policy.choose([0.0] * 3) == 3 and policy.max_draft == 7
+
+
+def test_lowest_cost_threshold_is_the_roc_point_transformers_picks():
+    """Against the rule written out: every score as a threshold (positive at or above it), cost fpr + 3 fnr, the
+    highest of equal costs."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        scores = torch.randint(1, 8, (12,), generator=generator).div(8).tolist()  # ties included
+        positives = (torch.rand(12, generator=generator) < 0.6).tolist()
+        if all(positives) or not any(positives):
+            continue
+
+        def cost(threshold, scores=scores, positives=positives):
+            predicted = [score >= threshold for score in scores]
+            false_positive = sum(p and not y for p, y in zip(predicted, positives, strict=True))
+            false_negative = sum(y and not p for p, y in zip(predicted, positives, strict=True))
+            return false_positive / positives.count(False) + 3 * false_negative / positives.count(True)
+
+        lowest = min(cost(t) for t in scores)
+        expected = max(t for t in scores if cost(t) == pytest.approx(lowest))
+        assert lowest_cost_threshold(scores, positives) == expected
+
+
+def test_confidence_threshold_cuts_after_the_first_unlikely_draft_and_retunes():
+    threshold = ConfidenceThreshold(0.4)
+    assert threshold.cut([0.9, 0.5, 0.3, 0.8]) == 3  # the draft below the threshold is still verified
+    assert threshold.cut([0.9, 0.5]) == 2 and threshold.cut([0.1]) == 1
+    assert threshold.keep_drafting([0.9, 0.5]) and not threshold.keep_drafting([0.9, 0.3])
+    threshold.record([0.9, 0.8, 0.3], accepted=1)  # 0.9 accepted, 0.8 rejected, 0.3 not judged
+    assert threshold.probabilities == [0.9, 0.8] and threshold.accepted == [True, False]
+    threshold.record([0.7, 0.6], accepted=2)
+    threshold.record([0.95], accepted=1)
+    assert threshold.threshold == 0.4  # 5 judged drafts are not more than 5 yet
+    threshold.record([0.65, 0.5], accepted=0)
+    assert len(threshold.probabilities) == 6
+    # At 0.6 every accepted draft passes and both rejected ones do too: fpr 1 + 3 * fnr 0 is the lowest cost
+    assert threshold.threshold == lowest_cost_threshold(threshold.probabilities, threshold.accepted) == 0.6
 
 
 @pytest.fixture(scope="module")
@@ -119,14 +190,97 @@ def _untrained(target, schedule: str) -> HyperDFlashForDrafting:
     return drafter
 
 
+def _drafted_steps(target, drafter, prompt, new_tokens: int, **sampling) -> int:
+    """The drafter forwards (a block drafter's steps that drafted) of one call; a greedy call is checked against
+    plain decoding."""
+    forwards = []
+    hook = drafter.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        out = target.generate(prompt, assistant_model=drafter, max_new_tokens=new_tokens, **sampling)
+    finally:
+        hook.remove()
+    if not sampling:
+        assert torch.equal(out, target.generate(prompt, max_new_tokens=new_tokens))
+    return len(forwards)
+
+
+def test_adaptive_carries_what_it_learned_to_the_next_call_per_setting(tiny_target, monkeypatch):
+    """Drafting loses every time here (so the backoff is the same on a busy machine): after a 30-token call, the
+    next one starts in the 64-step backoff it left and never drafts, where a fresh start (adaptive_transient, another
+    temperature, a reset) probes at decoding steps 1 and 3."""
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_drafting_pays", lambda self: False)
+    drafter = _untrained(tiny_target, "adaptive")
+    prompt = torch.randint(3, tiny_target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    assert _drafted_steps(tiny_target, drafter, prompt, 30) >= 3
+    assert _drafted_steps(tiny_target, drafter, prompt, 10) == 0
+    (learned,) = schedule_memory(drafter).settings(tiny_target)
+    assert learned.temperature is None and learned.max_draft == 7 and learned.target_dtype == "torch.float32"
+    drafter.generation_config.num_assistant_tokens_schedule = "adaptive_transient"
+    assert _drafted_steps(tiny_target, drafter, prompt, 10) >= 2
+    drafter.generation_config.num_assistant_tokens_schedule = "adaptive"
+    torch.manual_seed(0)
+    assert _drafted_steps(tiny_target, drafter, prompt, 10, do_sample=True, temperature=0.7) >= 2
+    assert {key.temperature for key in schedule_memory(drafter).settings(tiny_target)} == {None, 0.7}
+    assert _drafted_steps(tiny_target, drafter, prompt, 10) == 0  # greedy still resumes its own backoff
+    reset_draft_schedule(drafter)
+    assert _drafted_steps(tiny_target, drafter, prompt, 10) >= 2
+
+
+def test_nothing_learned_is_saved_or_copied(tiny_target, tmp_path):
+    """The learned state is this machine's: save_pretrained writes what a fresh drafter writes, and copies start
+    empty."""
+    drafter = _untrained(tiny_target, "adaptive")
+    torch.manual_seed(0)
+    fresh = HyperDFlashForDrafting.from_target(tiny_target, block_size=8).eval()
+    tiny_target.generate(torch.tensor([[5, 6, 7, 8]]), assistant_model=drafter, max_new_tokens=24)
+    assert schedule_memory(drafter).settings(tiny_target)
+    used, unused = tmp_path / "used" / "drafter", tmp_path / "fresh" / "drafter"  # the card names the folder
+    drafter.save_pretrained(used)
+    fresh.save_pretrained(unused)
+    saved = sorted(path.name for path in used.iterdir())
+    assert saved == sorted(path.name for path in unused.iterdir())
+    for name in saved:
+        assert (used / name).read_bytes() == (unused / name).read_bytes(), name
+    loaded = AutoModel.from_pretrained(used, trust_remote_code=True)
+    assert schedule_memory(loaded).settings(tiny_target) == []
+    assert schedule_memory(copy.deepcopy(drafter)).settings(tiny_target) == []
+
+
+@pytest.mark.parametrize("kind", ["hyperdflash", "mtp"])
+def test_heuristic_keeps_its_length_on_the_generation_config_and_transient_restores_it(tiny_target, kind):
+    torch.manual_seed(0)
+    if kind == "mtp":
+        drafter, longest = DeepseekV4MTPForDrafting.from_target(tiny_target).eval(), 8
+    else:
+        drafter, longest = HyperDFlashForDrafting.from_target(tiny_target, block_size=8).eval(), 7
+    config = drafter.generation_config
+    config.num_assistant_tokens = 5
+    prompt = torch.tensor([[5, 17, 33, 9, 250, 12]])
+    plain = tiny_target.generate(prompt, max_new_tokens=30)
+    for schedule in ("heuristic", "heuristic", "heuristic_transient"):
+        config.num_assistant_tokens_schedule = schedule
+        start = config.num_assistant_tokens
+        assert torch.equal(tiny_target.generate(prompt, assistant_model=drafter, max_new_tokens=30), plain)
+        stats = drafter.last_generation_stats
+        assert stats.proposed_per_step[0] == start and stats.num_draft_tokens == longest
+        steps = list(zip(stats.proposed_per_step, stats.accepted_per_step, strict=True))
+        for (proposed, accepted), (following, _) in zip(steps[:-3], steps[1:-2], strict=True):  # the last may be cut
+            assert following == min(max(proposed + 2 if accepted == proposed else proposed - 1, 1), longest)
+        assert 1 <= config.num_assistant_tokens <= longest
+        if schedule == "heuristic_transient":
+            assert config.num_assistant_tokens == start
+
+
 def test_adaptive_is_the_default_and_skips_an_untrained_drafter_losslessly(tiny_target):
     torch.manual_seed(0)
     drafter = HyperDFlashForDrafting.from_target(tiny_target, block_size=8).eval()
     assert drafter.generation_config.num_assistant_tokens_schedule == "adaptive"
     prompt = torch.randint(3, tiny_target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     plain = tiny_target.generate(prompt, max_new_tokens=40, do_sample=False)
-    # A first call pays one-off costs (lazy imports, first kernels) inside the steps the policy times; measure the next
-    tiny_target.generate(prompt, assistant_model=drafter, max_new_tokens=8, do_sample=False)
+    # A first call pays one-off costs (lazy imports, first kernels) inside the steps it times, and drafts until it has
+    # timed a plain step (before that it takes one to cost what a verify does, as on a GPU); the next call, as in a
+    # chat session, starts from what it learned
+    tiny_target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False)
     adaptive = tiny_target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False)
     stats = drafter.last_generation_stats
     assert torch.equal(adaptive, plain)
@@ -143,10 +297,77 @@ def test_constant_schedule_drafts_every_step(tiny_target):
     assert stats.skipped_steps == 0 and stats.proposed_per_step[:10] == [7] * 10  # shorter only near max_length
 
 
-def test_unknown_schedule_is_refused(tiny_target):
-    drafter = _untrained(tiny_target, "heuristic")
-    with pytest.raises(ValueError, match="num_assistant_tokens_schedule.*'heuristic'.*'adaptive'"):
+def test_unknown_schedule_and_bad_threshold_are_refused(tiny_target):
+    drafter = _untrained(tiny_target, "dynamic")
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule.*'dynamic'.*'adaptive'.*'heuristic'"):
         tiny_target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=4)
+    drafter = _untrained(tiny_target, "heuristic")
+    drafter.generation_config.assistant_confidence_threshold = 1.5
+    with pytest.raises(ValueError, match=r"assistant_confidence_threshold` must be a probability in \[0, 1\]"):
+        tiny_target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=4)
+
+
+def _key(**changes) -> ScheduleKey:
+    devices = {"target_device": "cpu", "target_dtype": "torch.float32", "drafter_device": "cpu"}
+    return ScheduleKey(**devices | {"drafter_dtype": "torch.float32", "temperature": None, "max_draft": 7} | changes)
+
+
+def test_schedule_memory_hands_out_copies_per_target_and_setting():
+    memory, target, other = ScheduleMemory(), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    policy = memory.checkout(target, _key())
+    assert policy.max_draft == 7 and policy.backoff == 1  # nothing learned yet: a fresh policy
+    policy.backoff = 16
+    assert memory.checkout(target, _key()).backoff == 1  # a call's policy is its own until the call completes
+    memory.keep(target, _key(), policy)
+    resumed = memory.checkout(target, _key())
+    assert resumed.backoff == 16 and resumed is not policy
+    resumed.calibration.update([0.9], proposed=1, accepted=1)
+    assert memory.checkout(target, _key()).calibration.tried == policy.calibration.tried  # still a copy
+    for fresh in (memory.checkout(other, _key()), memory.checkout(target, _key(temperature=0.7))):
+        assert fresh.backoff == 1
+    assert memory.settings(target) == [_key()] and memory.settings(other) == []
+    assert copy.deepcopy(memory).settings(target) == [] and pickle.loads(pickle.dumps(memory)).settings(target) == []
+    gone = weakref.ref(target)
+    del target, resumed, fresh
+    gc.collect()
+    assert gone() is None and not memory._policies  # a freed target takes what was learned with it along
+    memory.keep(other, _key(), policy)
+    memory.clear()
+    assert memory.settings(other) == []
+
+
+def test_call_schedule_picks_the_policy_and_keeps_what_it_learned():
+    drafter = SimpleNamespace(
+        config=SimpleNamespace(model_type="hyperdflash", block_size=8),
+        generation_config=SimpleNamespace(num_assistant_tokens=3, assistant_confidence_threshold=None),
+        device="cpu",
+        dtype=torch.float32,
+    )
+    target = type("Target", (), {"device": "cpu", "dtype": torch.float32})()  # hashable, as a model is
+    greedy = SimpleNamespace(do_sample=False)
+
+    def call(name: str, num_draft_tokens: int = 3) -> CallSchedule:
+        return CallSchedule(name, drafter, target, greedy, num_draft_tokens)
+
+    heuristic = call("heuristic")
+    assert type(heuristic.policy) is HeuristicDraftPolicy and heuristic.policy.max_draft == 7
+    heuristic.policy.record(_step(proposed=3, accepted=3, seconds=1.0, draft=0.1))
+    heuristic.finish()
+    assert drafter.generation_config.num_assistant_tokens == 5  # the next call starts there, as in transformers
+    transient = call("heuristic_transient", 5)
+    transient.policy.record(_step(proposed=5, accepted=0, seconds=1.0, draft=0.1))
+    transient.finish()
+    assert drafter.generation_config.num_assistant_tokens == 5 and transient.policy.draft_length == 4
+    assert type(call("constant").policy) is ConstantDraftPolicy and call("constant").threshold is None
+    adaptive = call("adaptive")
+    adaptive.policy.backoff = 4
+    adaptive.finish()
+    assert call("adaptive").policy.backoff == 4 and call("adaptive_transient").policy.backoff == 1
+    assert call("adaptive", 5).policy.backoff == 1  # another draft length: another setting
+    drafter.generation_config.assistant_confidence_threshold = 0.3
+    assert call("constant").threshold.threshold == 0.3
+    reset_draft_schedule(drafter)
+    assert call("adaptive").policy.backoff == 1
 
 
 def test_draft_settings_survive_save_and_load(tiny_target, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 
 from hf_hyperdflash.evaluation.harness import Setting, SettingResult
 from hf_hyperdflash.evaluation.report import REPORT_FILES, machine_description, tau_ratios, write_report
-from hf_hyperdflash.evaluation.runner import MethodResult
+from hf_hyperdflash.evaluation.runner import FirstCall, MethodResult
 
 
 def _result(name: str, accepted: list[int], proposed: list[int], lossless: int = 2, compared: int = 2) -> MethodResult:
@@ -16,6 +16,7 @@ def _result(name: str, accepted: list[int], proposed: list[int], lossless: int =
     result.new_tokens = sum(accepted) + len(accepted) if accepted else 40
     result.target_forwards = len(accepted) if accepted else 40
     result.tokens_per_second, result.speed_ratios = [20.0, 30.0], [1.0, 1.0] if not accepted else [1.5, 2.5]
+    result.first_call = FirstCall(15.0, 1.0 if not accepted else 0.75, tau=result.tau)
     half = len(accepted) // 2  # the first prompt's steps, then the second's
     result.runs = [
         {"accepted_drafts": sum(part), "verify_steps": len(part)} for part in (accepted[:half], accepted[half:])
@@ -86,6 +87,7 @@ def test_markdown_has_a_row_per_method_and_flags_the_failure(results, tmp_path):
     assert rows["mtp-k3"][1:3] == ["3", "2.50"]  # k, tau = (6 + 4) / 4
     assert rows["mtp-k3"][3:7] == ["0.75", "0.50", "0.25", "–"]
     assert rows["hyperdflash"][-1] == "1/2 ✗ |" and rows["plain"][2] == "–"
+    assert header[-3:] == ["speedup", "1st call", "lossless |"] and rows["mtp-k3"][-3:-1] == ["2.00x", "0.75x"]
     assert "n/a (sampled)" in markdown
     assert "NOT LOSSLESS: hyperdflash (humaneval, T=0, non-thinking)" in markdown
     _, ratios = _first_table(markdown, "| ratio |")
@@ -113,6 +115,7 @@ def test_json_is_strict_and_complete(results, tmp_path):
     expected_keys |= {"lossless", "compared", "latency_ms", "accepted_per_step", "proposed_per_step", "runs"}
     assert expected_keys <= set(mtp)
     assert mtp["tau"] == 2.5 and mtp["speedup"] == 2.0
+    assert mtp["first_call"] == {"tokens_per_second": 15.0, "speed_ratio": 0.75, "tau": 2.5}
     assert set(mtp["latency_ms"]) == {"step", "draft", "verify", "rollback", "other"}
     (ratio,) = first["tau_ratios"]
     assert (ratio["numerator"], ratio["denominator"], ratio["prompts"]) == ("hyperdflash", "mtp-k3", 2)

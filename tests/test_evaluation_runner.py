@@ -1,5 +1,6 @@
 """The measuring loop on the tiny target: lossless counting, stats pooling, seeds, and the per-step latency split."""
 
+import math
 import time
 from contextlib import contextmanager
 
@@ -9,8 +10,9 @@ import torch
 import hf_hyperdflash  # noqa: F401  (generate() integration)
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.evaluation.harness import Setting, SettingResult
-from hf_hyperdflash.evaluation.runner import Method, run_methods
+from hf_hyperdflash.evaluation.runner import Method, _drafting_settings, run_methods
 from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
+from hf_hyperdflash.modeling.draft_policy import reset_draft_schedule, schedule_memory
 from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
 
 MAX_NEW_TOKENS = 12
@@ -110,6 +112,7 @@ def test_plain_decoding_must_come_first(target, drafters, prompts):
 
 
 def test_latency_parts_add_up_to_the_measured_step_time(target, drafters, prompts):
+    reset_draft_schedule(drafters["hyperdflash"])  # drafting from the first step: the earlier tests' drafts lost
     reference = target.generate(prompts[1], max_new_tokens=24, do_sample=False)
     with oracle_drafting(OracleProposer(512, reference, corruption=0.3)), torch.no_grad():
         start = time.perf_counter()
@@ -136,3 +139,46 @@ def test_latency_parts_add_up_to_the_measured_step_time(target, drafters, prompt
         latency["step"]
     )
     assert latency["other"] >= 0 and latency["verify"] > 0
+
+
+def test_each_method_is_a_session_whose_first_call_is_reported_apart(target, drafters, prompts):
+    """A setting starts every method from nothing learned; its first call (prompt 0, repeat 0) is reported on its
+    own, the speed figures are its later calls'."""
+    drafter = drafters["hyperdflash"]
+    target.generate(prompts[0], assistant_model=drafter, max_new_tokens=4)
+    learned_before = schedule_memory(drafter).settings(target)
+    assert learned_before
+    starts = []
+    methods = [Method("plain"), Method("hdf", drafter, context=lambda ids: _learned(starts, drafter, target))]
+    plain, adaptive = run_methods(target, methods, prompts, max_new_tokens=MAX_NEW_TOKENS, repeats=2)
+    assert starts == [[], learned_before, learned_before, learned_before]  # the first call starts from nothing
+    assert plain.first_call.speed_ratio == 1.0 and math.isnan(plain.first_call.tau)
+    assert adaptive.first_call.tokens_per_second > 0 and adaptive.first_call.tau >= 1.0
+    assert len(adaptive.speed_ratios) == 2  # prompt 0's second repeat, and prompt 1
+    assert adaptive.as_dict()["first_call"]["speed_ratio"] == adaptive.first_call.speed_ratio
+    (_, single) = run_methods(target, methods, prompts, max_new_tokens=MAX_NEW_TOKENS, repeats=1)
+    assert len(single.speed_ratios) == 1  # prompt 0 has only its first call
+
+
+@contextmanager
+def _learned(starts: list, drafter, target):
+    """Records what the drafter had learned when each call started."""
+    starts.append(schedule_memory(drafter).settings(target))
+    yield
+
+
+def test_a_method_resumes_the_draft_length_its_last_call_left(drafters):
+    """Methods share drafters (mtp-k1..k6, each schedule): the heuristic schedule's length is kept per method, and the
+    drafter's own settings come back after every call."""
+    config = drafters["hyperdflash"].generation_config
+    lengths: dict[str, int] = {}
+    method = Method("hdf-heuristic", drafters["hyperdflash"], schedule="heuristic")
+    with _drafting_settings(method, lengths):
+        assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (3, "heuristic")
+        config.num_assistant_tokens = 1  # what the call's heuristic schedule leaves
+    assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (3, "adaptive")
+    with _drafting_settings(method, lengths):
+        assert config.num_assistant_tokens == 1
+    with _drafting_settings(Method("hdf", drafters["hyperdflash"]), lengths):
+        assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (3, "adaptive")
+    assert lengths == {"hdf-heuristic": 1, "hdf": 3}

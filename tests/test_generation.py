@@ -21,13 +21,16 @@ def target():
 
 def _drafters(target):
     torch.manual_seed(1)
-    return {
+    drafters = {
         "hyperdflash": HyperDFlashForDrafting.from_target(target, block_size=8).eval(),
         "vanilla_dflash": HyperDFlashForDrafting.from_target(
             target, block_size=8, reducer="dense", conditioning="intermediate"
         ).eval(),
         "mtp": DeepseekV4MTPForDrafting.from_target(target).eval(),
     }
+    for drafter in drafters.values():  # the tests share drafters: each call learns afresh, so each one drafts
+        drafter.generation_config.num_assistant_tokens_schedule = "adaptive_transient"
+    return drafters
 
 
 @pytest.fixture(scope="module")

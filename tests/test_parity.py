@@ -1,5 +1,6 @@
 """Every generate() option in docs/generate_parity.md: the "exact" ones give plain decoding's output with a drafter,
-the "refused" ones raise a ValueError before the target's first forward.
+the "refused" ones raise a ValueError before the target's first forward. So do the drafting options transformers
+reads from the assistant's generation config (`DRAFTER_EXACT`).
 
 An oracle drafter that is right most of the time makes verify steps accept several tokens, so logits processors
 and stopping rules are exercised inside accepted blocks; the native-MTP drafter (untrained) covers rejections.
@@ -65,6 +66,21 @@ EXACT = {
     "attention_mask with zeros": lambda plain: {"attention_mask": torch.tensor([[1, 0, 0] + [1] * 9])},
 }
 
+# The drafter's generation config (where transformers reads an assistant's draft settings) -> the settings
+DRAFTER_EXACT = {
+    'num_assistant_tokens_schedule="adaptive_transient"': {"num_assistant_tokens_schedule": "adaptive_transient"},
+    'num_assistant_tokens_schedule="heuristic"': {
+        "num_assistant_tokens_schedule": "heuristic",
+        "num_assistant_tokens": 2,
+    },
+    'num_assistant_tokens_schedule="heuristic_transient"': {"num_assistant_tokens_schedule": "heuristic_transient"},
+    'num_assistant_tokens_schedule="constant"': {"num_assistant_tokens_schedule": "constant"},
+    "assistant_confidence_threshold": {
+        "assistant_confidence_threshold": 0.5,
+        "num_assistant_tokens_schedule": "heuristic",
+    },
+}
+
 REFUSED = {
     "num_beams": ({"num_beams": 2}, "Beam search"),
     "num_return_sequences": ({"do_sample": True, "num_return_sequences": 2}, "one sequence per prompt"),
@@ -121,6 +137,29 @@ def test_exact_option_gives_plain_decodings_output(target, drafters, plain, opti
         assert max(drafters[kind].last_generation_stats.accepted_per_step) >= 2  # blocks really were accepted
 
 
+@pytest.mark.parametrize(
+    "sampling", [{"do_sample": False}, {"do_sample": True, "top_k": 1}], ids=["greedy", "top_k=1"]
+)
+@pytest.mark.parametrize("kind", ["hyperdflash", "mtp"])
+@pytest.mark.parametrize("option", sorted(DRAFTER_EXACT))
+def test_exact_drafter_option_gives_plain_decodings_output(target, drafters, plain, option, kind, sampling):
+    drafter = drafters[kind]
+    config = drafter.generation_config
+    saved = {name: getattr(config, name) for name in DRAFTER_EXACT[option]}
+    kwargs = {"max_new_tokens": NEW} | sampling
+    torch.manual_seed(0)
+    expected = target.generate(PROMPT, **kwargs)
+    oracle = OracleProposer(target.config.vocab_size, plain, corruption=0.15, seed=3)
+    config.update(**DRAFTER_EXACT[option])
+    try:
+        for _ in range(2):  # the second call starts from what the first one kept ("heuristic": the draft length)
+            torch.manual_seed(0)
+            with oracle_drafting(oracle):
+                assert torch.equal(target.generate(PROMPT, assistant_model=drafter, **kwargs), expected), option
+    finally:
+        config.update(**saved)
+
+
 @pytest.mark.parametrize("option", sorted(REFUSED))
 def test_refused_option_raises_before_any_forward(target, drafters, option):
     kwargs, message = REFUSED[option]
@@ -138,7 +177,7 @@ def test_refused_option_raises_before_any_forward(target, drafters, option):
 def test_the_documented_table_is_the_tested_one():
     rows = re.findall(r"^\| `([^`]+)` \| (exact|refused) \|", PARITY_DOC.read_text(), flags=re.MULTILINE)
     documented = {name: verdict for name, verdict in rows}
-    tested = {name: "exact" for name in EXACT} | {name: "refused" for name in REFUSED}
+    tested = {name: "exact" for name in EXACT | DRAFTER_EXACT} | {name: "refused" for name in REFUSED}
     covered_elsewhere = {"stop_strings", "stopping_criteria", "streamer", "output_scores", "output_logits"}
     covered_elsewhere |= {"output_hidden_states", "output_attentions", "cache (rewindable, continued)"}
     assert {n for n, v in documented.items() if n not in covered_elsewhere} == set(tested)

@@ -24,7 +24,13 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
-from hf_hyperdflash.modeling.draft_policy import AcceptanceCalibration, AdaptiveDraftPolicy, StepCosts
+from hf_hyperdflash.modeling.draft_policy import (
+    AcceptanceCalibration,
+    AdaptiveDraftPolicy,
+    ScheduleKey,
+    StepCosts,
+    schedule_memory,
+)
 from hf_hyperdflash.testing import (
     OracleProposer,
     chi_square_p_value,
@@ -80,20 +86,32 @@ def exact_distribution(target, settings: dict) -> torch.Tensor:
 
 
 def drafter_for(target, kind: str) -> HyperDFlashForDrafting | DeepseekV4MTPForDrafting:
+    """An untrained drafter whose every call starts its adaptive schedule afresh: under the default schedule, one
+    whose drafts lose would stop drafting for the later calls (samples), which would then test plain sampling. The
+    schedule that carries over has its own test below."""
     torch.manual_seed(1)
     if kind == "mtp":
-        return DeepseekV4MTPForDrafting.from_target(target).eval()
-    return HyperDFlashForDrafting.from_target(target, block_size=3, num_hidden_layers=1).eval()
+        drafter = DeepseekV4MTPForDrafting.from_target(target).eval()
+    else:
+        drafter = HyperDFlashForDrafting.from_target(target, block_size=3, num_hidden_layers=1).eval()
+    drafter.generation_config.num_assistant_tokens_schedule = "adaptive_transient"
+    return drafter
 
 
 def speculative_samples(
-    target, kind: str, settings: dict, samples_per_seed: int = SAMPLES_PER_SEED
+    target,
+    kind: str,
+    settings: dict,
+    samples_per_seed: int = SAMPLES_PER_SEED,
+    drafter: HyperDFlashForDrafting | DeepseekV4MTPForDrafting | None = None,
+    seeds: tuple[int, ...] = SEEDS,
 ) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Counts of every continuation over all samples, and the accepted/proposed drafts of every verify step.
+    """Counts of every continuation over all samples, and the accepted/proposed drafts of every verify step. The
+    samples are calls in a row with one drafter (`drafter_for(target, kind)` unless given), as in a chat session.
 
     kind "oracle" routes a HyperDFlash drafter's proposals through an `OracleProposer` hinting the greedy continuation.
     """
-    drafter = drafter_for(target, kind)
+    drafter = drafter if drafter is not None else drafter_for(target, kind)
     routing = nullcontext()
     if kind == "oracle":
         greedy = target.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -102,7 +120,7 @@ def speculative_samples(
     place_values = VOCAB ** torch.arange(NEW_TOKENS - 1, -1, -1)
     accepted, proposed = [], []
     with routing:
-        for seed in SEEDS:
+        for seed in seeds:
             torch.manual_seed(seed)
             for _ in range(samples_per_seed):
                 out = target.generate(
@@ -112,6 +130,12 @@ def speculative_samples(
                 accepted += drafter.last_generation_stats.accepted_per_step
                 proposed += drafter.last_generation_stats.proposed_per_step
     return counts, accepted, proposed
+
+
+def outcomes(accepted: list[int], proposed: list[int]) -> set[str]:
+    """Which branches of speculative sampling ran: full acceptance (bonus token), partial and zero (residual
+    resampling)."""
+    return {"full" if a == p else "zero" if a == 0 else "partial" for a, p in zip(accepted, proposed, strict=True)}
 
 
 @pytest.mark.parametrize(
@@ -124,9 +148,7 @@ def test_speculative_samples_follow_the_target_distribution(target, kind, settin
     counts, accepted, proposed = speculative_samples(target, kind, settings)
     assert counts.sum() == len(SEEDS) * SAMPLES_PER_SEED
     assert counts[probs == 0].sum() == 0, "a continuation the target (after top_k) can never produce was sampled"
-    # Every branch of speculative sampling ran: full acceptance (bonus token), partial and zero (residual resampling).
-    outcomes = {"full" if a == p else "zero" if a == 0 else "partial" for a, p in zip(accepted, proposed, strict=True)}
-    assert outcomes == {"full", "partial", "zero"}
+    assert outcomes(accepted, proposed) == {"full", "partial", "zero"}
     if kind == "oracle":  # about twice the untrained drafters' rate: the proposals really came from the oracle
         assert sum(accepted) / sum(proposed) > 0.25
     p_value = chi_square_p_value(counts, probs)
@@ -150,6 +172,70 @@ def test_adaptive_truncation_keeps_the_target_distribution(target, monkeypatch):
     assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"
 
 
+# drafter kind, sampling settings, the drafter's draft settings, seeds (500 samples each)
+SCHEDULE_CASES = {
+    "heuristic-threshold": (
+        "oracle",
+        PROCESSED,
+        {"num_assistant_tokens_schedule": "heuristic", "assistant_confidence_threshold": 0.5},
+        SEEDS,
+    ),
+    "heuristic_transient-threshold-mtp": (
+        "mtp",
+        {"temperature": 1.3},
+        {"num_assistant_tokens_schedule": "heuristic_transient", "assistant_confidence_threshold": 0.3},
+        SEEDS,
+    ),
+    # The rules of these two are tested above (adaptive) and are the simplest (constant): 1,000 samples
+    "adaptive_transient": ("oracle", PROCESSED, {"num_assistant_tokens_schedule": "adaptive_transient"}, SEEDS[:2]),
+    "constant": ("hyperdflash", {}, {"num_assistant_tokens_schedule": "constant"}, SEEDS[:2]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEDULE_CASES))
+def test_every_schedule_keeps_the_target_distribution(target, case):
+    """transformers' schedules too: "heuristic" carries its draft length from call to call, and the confidence
+    threshold ends a step's drafts after the first unlikely one (a block is cut there, MTP stops drafting) and
+    re-tunes itself: both decide on drafts already drawn, never on the one they let in."""
+    kind, settings, draft_settings, seeds = SCHEDULE_CASES[case]
+    drafter = drafter_for(target, kind)
+    drafter.generation_config.update(**draft_settings)
+    probs = exact_distribution(target, settings)
+    counts, accepted, proposed = speculative_samples(target, kind, settings, drafter=drafter, seeds=seeds)
+    assert counts[probs == 0].sum() == 0
+    assert {"full", "zero"} <= outcomes(accepted, proposed)
+    if "threshold" in case or "heuristic" in case:
+        assert len(set(proposed)) > 1  # draft lengths varied
+    p_value = chi_square_p_value(counts, probs)
+    assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"
+
+
+def test_adaptive_state_learned_under_another_temperature_keeps_the_distribution(target, monkeypatch):
+    """The default schedule's learned state lasts across calls (every sample here resumes the previous one's). Its
+    key keeps a temperature's state apart; with the key's temperature ignored, calls at 0.7 / top_k 3 start from
+    what calls at 1.3 learned, and the samples still follow the target: the state decides before any draft is
+    drawn, whatever it holds. Every step drafts (no backoff), so the learned calibration and costs pick how many
+    drafts each step verifies."""
+
+    def any_temperature(cls, target, drafter, generation_config, max_draft: int) -> ScheduleKey:
+        return cls("cpu", "float32", "cpu", "float32", None, max_draft)
+
+    monkeypatch.setattr(ScheduleKey, "of", classmethod(any_temperature))
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_drafting_pays", lambda self: True)
+    drafter = drafter_for(target, "hyperdflash")
+    drafter.generation_config.num_assistant_tokens_schedule = "adaptive"
+    speculative_samples(target, "oracle", {"temperature": 1.3}, samples_per_seed=100, drafter=drafter, seeds=(9,))
+    (key,) = schedule_memory(drafter).settings(target)
+    learned = schedule_memory(drafter).checkout(target, key)
+    assert sum(learned.calibration.tried) > 50 and learned.costs.by_length
+    probs = exact_distribution(target, PROCESSED)
+    counts, accepted, proposed = speculative_samples(target, "oracle", PROCESSED, drafter=drafter)
+    assert schedule_memory(drafter).settings(target) == [key]
+    assert outcomes(accepted, proposed) == {"full", "partial", "zero"}
+    p_value = chi_square_p_value(counts, probs)
+    assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"
+
+
 def test_speculative_samples_on_a_linear_attention_target_follow_its_distribution():
     """GLM-5-Next (KDA linear attention, then indexed attention): rejections roll back its recurrent and conv states
     by replaying the kernel (`cache_linear_attention.py`); samples still follow the target. 800 samples: each
@@ -167,8 +253,7 @@ def test_speculative_samples_on_a_linear_attention_target_follow_its_distributio
         target.lm_head.weight.mul_(20.0)
     probs = exact_distribution(target, PROCESSED)
     counts, accepted, proposed = speculative_samples(target, "oracle", PROCESSED, samples_per_seed=200)
-    outcomes = {"full" if a == p else "zero" if a == 0 else "partial" for a, p in zip(accepted, proposed, strict=True)}
-    assert outcomes == {"full", "partial", "zero"}
+    assert outcomes(accepted, proposed) == {"full", "partial", "zero"}
     assert counts[probs == 0].sum() == 0
     p_value = chi_square_p_value(counts, probs)
     assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"

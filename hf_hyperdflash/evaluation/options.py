@@ -132,9 +132,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         nargs="+",
         choices=list(SCHEDULES),
         default=[DEFAULT_SCHEDULE],
-        help="Draft schedules, each speculative method once per schedule: adaptive (the drafters' default: draft "
-        "length chosen each step, drafting skipped where it does not pay) and constant (every step drafts k; such "
-        "methods are named NAME-constant) (default: adaptive).",
+        help="Draft schedules, each speculative method once per schedule (named NAME-SCHEDULE unless adaptive): "
+        "adaptive (the drafters' default: draft length chosen each step, drafting skipped where it does not pay, what "
+        "it learned kept for the method's next call), adaptive_transient (the same, learning afresh each call), "
+        "heuristic and heuristic_transient (transformers' own: +2 drafts after a fully accepted step, -1 otherwise; "
+        "the first keeps its length for the next call), constant (every step drafts k) (default: adaptive).",
     )
     models.add_argument(
         "--prompt-lookup",

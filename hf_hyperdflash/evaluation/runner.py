@@ -5,10 +5,16 @@ method always runs first (warm caches, CPU clock ramps), and all of them start f
 compared per prompt: each method's median tokens/s over the repeats, divided by plain decoding's. Greedy outputs
 are compared with plain decoding token by token; sampled ones are not (a speculative run draws other random
 numbers, so only the distribution can match, which `benchmarks/lossless.py` tests).
+
+Each method runs as one chat session would: its calls in a setting follow each other with one drafter, so a schedule
+that keeps what it learned ("adaptive", "heuristic") starts the setting from nothing and carries it from call to
+call. Its first call (the first prompt's first repeat) is reported apart (`FirstCall`); the speed figures are those
+of its later calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Iterator
@@ -20,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..decoding import decoding_settings
+from ..modeling.draft_policy import reset_draft_schedule
 from ..modeling.generation_stats import (
     GenerationStats,
     acceptance_per_position,
@@ -57,6 +64,15 @@ def finite_or_none(value: float) -> float | None:
 
 
 @dataclass
+class FirstCall:
+    """A method's first call in a setting, where a schedule that learns across calls starts from nothing."""
+
+    tokens_per_second: float = math.nan
+    speed_ratio: float = math.nan  # over plain decoding's first call (the same prompt, repeat and seed)
+    tau: float = math.nan
+
+
+@dataclass
 class MethodResult:
     """What one method did on a list of prompts, pooled over prompts and repeats."""
 
@@ -73,8 +89,10 @@ class MethodResult:
     proposed_per_step: list[int] = field(default_factory=list)
     latency_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("step", *LATENCY_PARTS), 0.0))
     timed_steps: int = 0
-    tokens_per_second: list[float] = field(default_factory=list)  # per prompt: median over repeats
-    speed_ratios: list[float] = field(default_factory=list)  # per prompt: tokens/s over plain decoding's
+    # Per prompt with later calls: their median tokens/s over the repeats, and its ratio to plain decoding's
+    tokens_per_second: list[float] = field(default_factory=list)
+    speed_ratios: list[float] = field(default_factory=list)
+    first_call: FirstCall = field(default_factory=FirstCall)
     runs: list[dict] = field(default_factory=list)  # per prompt: tokens, seconds, drafts accepted, identical
 
     def record(self, stats: GenerationStats) -> None:
@@ -146,6 +164,7 @@ class MethodResult:
             "forwards_per_token": finite_or_none(self.forwards_per_token),
             "tokens_per_second": finite_or_none(self.median_tokens_per_second),
             "speedup": finite_or_none(self.speedup),
+            "first_call": {name: finite_or_none(value) for name, value in dataclasses.asdict(self.first_call).items()},
             "latency_ms": self.latency_ms,
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
@@ -160,18 +179,23 @@ class MethodResult:
 
 
 @contextmanager
-def _drafting_settings(method: Method) -> Iterator[None]:
-    """The method's draft length and schedule in its drafter's generation config, for one call."""
-    overrides = {"num_assistant_tokens": method.num_draft_tokens, "num_assistant_tokens_schedule": method.schedule}
-    overrides = {name: value for name, value in overrides.items() if value is not None}
-    if method.drafter is None or not overrides:
+def _drafting_settings(method: Method, draft_lengths: dict[str, int]) -> Iterator[None]:
+    """The method's draft length and schedule in its drafter's generation config for one call, the drafter's own
+    again after it. Methods may share a drafter, so the draft length a call leaves there (the "heuristic" schedule's)
+    is kept in `draft_lengths`, by method name, for the method's next call."""
+    if method.drafter is None:
         yield
         return
     config = method.drafter.generation_config
+    overrides = {
+        "num_assistant_tokens": draft_lengths.get(method.name, method.num_draft_tokens),
+        "num_assistant_tokens_schedule": method.schedule,
+    }
     originals = {name: getattr(config, name) for name in overrides}
-    config.update(**overrides)
+    config.update(**{name: value for name, value in overrides.items() if value is not None})
     try:
         yield
+        draft_lengths[method.name] = config.num_assistant_tokens
     finally:
         config.update(**originals)
 
@@ -188,12 +212,17 @@ def _counting_forwards(model: PreTrainedModel) -> Iterator[list[int]]:
 
 
 def _decode(
-    target: PreTrainedModel, method: Method, input_ids: torch.LongTensor, seed: int, settings: dict
+    target: PreTrainedModel,
+    method: Method,
+    input_ids: torch.LongTensor,
+    seed: int,
+    settings: dict,
+    draft_lengths: dict[str, int],
 ) -> tuple[torch.Tensor, float, GenerationStats]:
     """One timed `generate` call: (output ids, seconds, generation stats)."""
     assistant = {"assistant_model": method.drafter} if method.drafter is not None else {}
     context = method.context(input_ids) if method.context is not None else nullcontext()
-    with context, _drafting_settings(method), _counting_forwards(target) as forwards:
+    with context, _drafting_settings(method, draft_lengths), _counting_forwards(target) as forwards:
         torch.manual_seed(seed)
         start = synchronized_clock()
         output = target.generate(input_ids, **assistant, **method.generate_options, **settings)
@@ -219,7 +248,7 @@ def _prompt_record(prompt_tokens: int) -> dict:
 def warm_up(target: PreTrainedModel, methods: list[Method], input_ids: torch.LongTensor) -> None:
     """One short untimed run per method, so one-off costs (allocations, lazy init) stay out of the timings."""
     for method in methods:
-        _decode(target, method, input_ids, seed=0, settings=decoding_settings(0, 8))
+        _decode(target, method, input_ids, seed=0, settings=decoding_settings(0, 8), draft_lengths={})
 
 
 @torch.no_grad()
@@ -233,9 +262,14 @@ def run_methods(
     seed: int = 0,
     progress: tqdm | None = None,
 ) -> list[MethodResult]:
-    """Decode every prompt with every method (`methods[0]` must be plain decoding), `repeats` times each."""
+    """Decode every prompt with every method (`methods[0]` must be plain decoding), `repeats` times each; each
+    method starts with nothing learned, as a new chat session does."""
     if methods[0].drafter is not None:
         raise ValueError(f"The first method must be plain decoding (no drafter), got {methods[0].name!r}.")
+    for method in methods:
+        if method.drafter is not None:
+            reset_draft_schedule(method.drafter)
+    draft_lengths: dict[str, int] = {}
     results = [MethodResult(name=method.name) for method in methods]
     settings = decoding_settings(temperature, max_new_tokens)
     greedy = temperature == 0
@@ -246,24 +280,30 @@ def run_methods(
             shift = repeat % len(methods)
             for m in [*range(shift, len(methods)), *range(shift)]:
                 run_seed = seed * 1_000_003 + index * repeats + repeat  # the same for every method
-                output, seconds, stats = _decode(target, methods[m], input_ids, run_seed, settings)
+                output, seconds, stats = _decode(target, methods[m], input_ids, run_seed, settings, draft_lengths)
                 results[m].record(stats)
                 outputs[m].append(output)
                 runs[m]["new_tokens"].append(stats.new_tokens)
                 runs[m]["seconds"].append(seconds)
                 runs[m]["accepted_drafts"] += sum(stats.accepted_per_step)
                 runs[m]["verify_steps"] += len(stats.accepted_per_step)
+                if index == repeat == 0:
+                    results[m].first_call = FirstCall(stats.new_tokens / seconds, tau=stats.mean_accepted_length)
                 if progress is not None:
                     progress.update(1)
-        speeds = [statistics.median(n / s for n, s in zip(r["new_tokens"], r["seconds"], strict=True)) for r in runs]
+        later = slice(1, None) if index == 0 else slice(None)  # the first prompt's first calls are reported apart
+        speeds = [[n / s for n, s in zip(r["new_tokens"], r["seconds"], strict=True)][later] for r in runs]
         for m, result in enumerate(results):
             result.prompts += 1
-            result.tokens_per_second.append(speeds[m])
-            result.speed_ratios.append(speeds[m] / speeds[0])
+            if speeds[m]:
+                result.tokens_per_second.append(statistics.median(speeds[m]))
+                result.speed_ratios.append(result.tokens_per_second[-1] / results[0].tokens_per_second[-1])
             if greedy:
                 identical = all(torch.equal(output, outputs[0][0]) for output in outputs[m])
                 result.compared += 1
                 result.lossless += int(identical)
                 runs[m]["identical_to_plain"] = identical
             result.runs.append(runs[m])
+    for result in results:
+        result.first_call.speed_ratio = result.first_call.tokens_per_second / results[0].first_call.tokens_per_second
     return results
