@@ -11,6 +11,8 @@ answers at once.
 
 import functools
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 
 __version__ = "0.2.0"
@@ -28,7 +30,11 @@ _RUNTIME_NAMES = {  # public name -> the module that defines it
 @functools.cache
 def _load_runtime() -> None:
     """Install the generate() integration; register the drafters' configs with the Auto classes."""
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoConfig, AutoModel, GenerationMixin
+
+    stock = getattr(GenerationMixin.generate, "_hyperdflash_stock_generate", None)
+    if stock is not None:  # `_load_runtime_on_first_generate` stood in until now
+        GenerationMixin.generate = stock
 
     from .modeling.configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
     from .modeling.configuration_hyperdflash import HyperDFlashConfig
@@ -58,8 +64,47 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_RUNTIME_NAMES})
 
 
+def _load_runtime_on_first_generate() -> None:
+    """Until the runtime loads, the first `generate()` call loads it, then runs through it."""
+    from transformers import GenerationMixin
+
+    stock = GenerationMixin.generate
+
+    @functools.wraps(stock)
+    def generate(self, *args, **kwargs):
+        _load_runtime()
+        return GenerationMixin.generate(self, *args, **kwargs)
+
+    generate._hyperdflash_stock_generate = stock  # what `_load_runtime` puts back before wrapping
+    GenerationMixin.generate = generate
+
+
+class _RuntimeAfterTransformers(importlib.abc.MetaPathFinder):
+    """`import hf_hyperdflash` placed before transformers' import still takes over generate(): once transformers is
+    imported, its first `generate()` loads the runtime (loading it during that import could meet a runtime module
+    half imported; the command line's parser imports neither)."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name != "transformers":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_hook(module) -> None:
+            exec_module(module)
+            _load_runtime_on_first_generate()
+
+        spec.loader.exec_module = exec_then_hook
+        return spec
+
+
 if "transformers" in sys.modules:  # a process that already works with models: take over generate() now
     _load_runtime()
+else:
+    sys.meta_path.insert(0, _RuntimeAfterTransformers())
 
 
 __all__ = [

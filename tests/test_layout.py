@@ -118,3 +118,21 @@ def test_library_commands_do_not_import_each_other_or_the_cli():
         for path in (library / package).glob("*.py"):
             found = imports(path)
             assert not any(name.startswith(("..cli", f"..{other}")) for name in found), (path.name, found)
+
+
+def test_importing_the_library_before_transformers_still_takes_over_generate():
+    """`import hf_hyperdflash` as a script's first line: transformers' first `generate()` loads the runtime, so
+    prompt lookup on a stateful V4 target (refused by stock transformers) decodes as plain decoding does."""
+    script = """
+import hf_hyperdflash
+import torch
+from hf_hyperdflash.testing import tiny_deepseek_v4
+target = tiny_deepseek_v4(seed=0)
+prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+plain = target.generate(prompt, max_new_tokens=8, do_sample=False)
+lookup = target.generate(prompt, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+print(torch.equal(plain, lookup))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "True"
