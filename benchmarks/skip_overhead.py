@@ -1,6 +1,6 @@
 """What a step that skips drafting costs: speculative generate() with drafting always skipped, against plain decoding.
 
-    python benchmarks/skip_overhead.py [--prompts 4] [--repeats 5] [--max-new-tokens 128]
+    python benchmarks/skip_overhead.py [--prompts 8] [--repeats 6] [--max-new-tokens 128]
 
 The adaptive schedule decodes plainly when drafting loses, but such a step still runs inside transformers' assisted
 loop, with the rewindable cache and the feature-capture hook. This forces every step to skip (the shipped
@@ -38,8 +38,8 @@ def timed(call: Callable[[], object]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -52,9 +52,11 @@ def main() -> None:
             input_ids = torch.tensor([encode_prompt(tokenizer, chat, enable_thinking=False)])
             per_repeat: dict[str, list[float]] = {name: [] for name in CLOCKS}
             decode = functools.partial(target.generate, input_ids, max_new_tokens=args.max_new_tokens)
-            for _ in range(args.repeats):
-                plain = timed(decode)
-                skipping = timed(functools.partial(decode, assistant_model=drafter))
+            for repeat in range(args.repeats):  # alternating which runs first, so a drift favours neither
+                if repeat % 2:
+                    skipping, plain = timed(functools.partial(decode, assistant_model=drafter)), timed(decode)
+                else:
+                    plain, skipping = timed(decode), timed(functools.partial(decode, assistant_model=drafter))
                 for name in CLOCKS:
                     per_repeat[name].append(plain[name] / skipping[name])
             for name in CLOCKS:

@@ -13,6 +13,10 @@ stock code, and next to it just enough history to rebuild that state at any leng
 
 Compressed entries need no recomputation: entry `w` only depends on tokens before `(w + 1) * compress_rate`, so rolling
 back to length `L` keeps the first `L // compress_rate` of them.
+
+A target verified by assisted decoding never undoes a forward of one token (a step that verifies no draft), so its
+cache can be built with `undo_single_token_forwards=False`: such a forward then runs the stock code alone, at plain
+decoding's cost, and the history starts again from the stock state at the next forward of several tokens.
 """
 
 from __future__ import annotations
@@ -44,10 +48,12 @@ class _RewindableSlidingKeysMixin(CacheLayerMixin):
     __slots__ = ()
     sliding_window: int
     cumulative_length: int
-    _history = ("max_draft", "key_history", "min_length")  # what the stock layer does not have
+    _history = ("max_draft", "undo_single_token_forwards", "key_history", "min_length")  # not in the stock layer
 
-    def _init_history(self, max_draft: int) -> None:
+    def _init_history(self, max_draft: int, undo_single_token_forwards: bool = True) -> None:
         self.max_draft = max_draft
+        self.undo_single_token_forwards = undo_single_token_forwards
+        # None when there is no history: before the first forward, and after a one-token forward it will not undo
         self.key_history: torch.Tensor | None = None
         # The shortest length `crop` can still restore: `max_draft` tokens before the end of the latest forward pass
         # (or of an earlier one, if a crop went back since). Anything only needed below it is dropped.
@@ -62,9 +68,13 @@ class _RewindableSlidingKeysMixin(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new keys; return the cached window plus the new keys, as the stock layer does."""
+        if key_states.shape[-2] == 1 and not self.undo_single_token_forwards:
+            self.key_history = None
+            return super().update(key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.key_history = self.keys
+        if self.key_history is None:
+            self._adopt_state()
         num_visible = min(self.cumulative_length, self.sliding_window - 1) + key_states.shape[-2]
         full = torch.cat([self.key_history, key_states], dim=-2)
         self.cumulative_length += key_states.shape[-2]
@@ -86,7 +96,13 @@ class _RewindableSlidingKeysMixin(CacheLayerMixin):
 
     def check_rewind(self, length: int) -> None:
         """Raise if `length` is out of the range `crop` can restore."""
-        if length < self.min_length:
+        if self.key_history is None and length < self.cumulative_length:
+            raise ValueError(
+                f"Cannot roll the DeepSeek-V4 cache back to {length} tokens: its latest forward pass was of one "
+                "token, which a cache built with `undo_single_token_forwards=False` does not undo (assisted decoding "
+                "never does). Build RewindableDeepseekV4Cache with `undo_single_token_forwards=True` to undo them."
+            )
+        if self.key_history is not None and length < self.min_length:
             raise ValueError(
                 f"Cannot roll the DeepSeek-V4 cache back to {length} tokens: it keeps history to undo at most "
                 f"max_draft={self.max_draft} tokens of the latest forward pass, so the shortest reachable length is "
@@ -112,9 +128,12 @@ class _RewindableSlidingKeysMixin(CacheLayerMixin):
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-dimension op to every kept tensor, the stock state included (the stock layers only apply
         `batch_select_indices` / `batch_repeat_interleave` to `keys` / `values`)."""
-        if self.key_history is not None:
-            self.key_history = fn(self.key_history)
-            self._slide_window()
+        if not self.is_initialized:
+            return
+        if self.key_history is None:
+            self._adopt_state()
+        self.key_history = fn(self.key_history)
+        self._slide_window()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
@@ -136,9 +155,9 @@ class RewindableSlidingWindowLayer(_RewindableSlidingKeysMixin, DynamicSlidingWi
 
     _layer_type = None  # keep transformers' global layer-type mapping pointing at the stock classes
 
-    def __init__(self, config: DeepseekV4Config, max_draft: int):
+    def __init__(self, config: DeepseekV4Config, max_draft: int, undo_single_token_forwards: bool = True):
         super().__init__(sliding_window=config.sliding_window)
-        self._init_history(max_draft)
+        self._init_history(max_draft, undo_single_token_forwards)
 
 
 class RewindableHCALayer(_RewindableSlidingKeysMixin, DeepseekV4HCACache):
@@ -150,14 +169,14 @@ class RewindableHCALayer(_RewindableSlidingKeysMixin, DeepseekV4HCACache):
 
     _layer_type = None  # keep transformers' global layer-type mapping pointing at the stock classes
 
-    def __init__(self, config: DeepseekV4Config, max_draft: int):
+    def __init__(self, config: DeepseekV4Config, max_draft: int, undo_single_token_forwards: bool = True):
         super().__init__(config)
-        self._init_history(max_draft)
+        self._init_history(max_draft, undo_single_token_forwards)
 
     _history = ("raw_kv", "raw_gate", "raw_start")
 
-    def _init_history(self, max_draft: int) -> None:
-        super()._init_history(max_draft)
+    def _init_history(self, max_draft: int, undo_single_token_forwards: bool = True) -> None:
+        super()._init_history(max_draft, undo_single_token_forwards)
         self.raw_kv: dict[str, torch.Tensor | None] = dict.fromkeys(self.compressed_kv)
         self.raw_gate: dict[str, torch.Tensor | None] = dict.fromkeys(self.compressed_kv)
         self.raw_start: dict[str, int] = dict.fromkeys(self.compressed_kv, 0)
@@ -173,6 +192,8 @@ class RewindableHCALayer(_RewindableSlidingKeysMixin, DeepseekV4HCACache):
         self, name: str, kv: torch.Tensor, gate: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         # Called right after `update` in the same attention forward, so `min_length` already counts these tokens
+        if self.key_history is None:  # a forward it will not undo
+            return super().store_compression_weights(name, kv, gate)
         if self.raw_kv[name] is not None:
             kv_history = torch.cat([self.raw_kv[name], kv], dim=1)
             gate_history = torch.cat([self.raw_gate[name], gate], dim=1)
@@ -223,8 +244,8 @@ class RewindableCSALayer(RewindableHCALayer, DeepseekV4CSACache):
 
     _history = ("window_kv", "window_gate", "window_start")
 
-    def _init_history(self, max_draft: int) -> None:
-        super()._init_history(max_draft)
+    def _init_history(self, max_draft: int, undo_single_token_forwards: bool = True) -> None:
+        super()._init_history(max_draft, undo_single_token_forwards)
         self.window_kv: dict[str, torch.Tensor | None] = dict.fromkeys(self.overlap_kv)
         self.window_gate: dict[str, torch.Tensor | None] = dict.fromkeys(self.overlap_kv)
         self.window_start: dict[str, int] = dict.fromkeys(self.overlap_kv, 0)
@@ -233,16 +254,18 @@ class RewindableCSALayer(RewindableHCALayer, DeepseekV4CSACache):
         """The overlap is the Ca half of the last closed window, `entry_count - 1`."""
         super()._adopt_state()
         for name in self.overlap_kv:
-            if self.overlap_kv[name] is not None:
-                self.window_kv[name] = self.overlap_kv[name][:, None]
-                self.window_gate[name] = self.overlap_gate[name][:, None]
-                self.window_start[name] = self.entry_count[name] - 1
+            closed = self.overlap_kv[name] is not None
+            self.window_kv[name] = self.overlap_kv[name][:, None] if closed else None
+            self.window_gate[name] = self.overlap_gate[name][:, None] if closed else None
+            self.window_start[name] = self.entry_count[name] - 1 if closed else 0
 
     def update_overlap_state(
         self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         # `chunk_*` are the windows closing now, `[B, n_windows, compress_rate, 2 * head_dim]`; they directly follow
         # the recorded ones, since `_rewind_to` drops every window it reopens. The gate already has `position_bias`.
+        if self.key_history is None:  # a forward it will not undo
+            return super().update_overlap_state(name, chunk_kv, chunk_gate, head_dim)
         ca_kv, ca_gate = chunk_kv[..., :head_dim], chunk_gate[..., :head_dim]
         if self.window_kv[name] is not None:
             ca_kv = torch.cat([self.window_kv[name], ca_kv], dim=1)
@@ -305,15 +328,20 @@ class RewindableDeepseekV4Cache(DynamicCache):
         config: the V4 config; one rewindable layer is built per `config.layer_types` entry (a config with only
             `sliding_attention` layers, such as a native-MTP block's, works too).
         max_draft: the largest number of tokens `crop` must be able to remove.
+        undo_single_token_forwards: False for a cache that only ever undoes tokens of a forward of several (a target
+            verifying drafts): a one-token forward then costs what it costs in plain decoding.
     """
 
-    def __init__(self, config: DeepseekV4Config, max_draft: int = 16):
+    def __init__(self, config: DeepseekV4Config, max_draft: int = 16, undo_single_token_forwards: bool = True):
         if max_draft < 0:
             raise ValueError(f"`max_draft` must be >= 0, got {max_draft}.")
         unsupported = sorted(set(config.layer_types) - _REWINDABLE_LAYER_CLASSES.keys())
         if unsupported:
             raise ValueError(f"RewindableDeepseekV4Cache has no rewindable layer for layer types {unsupported}.")
-        layers = [_REWINDABLE_LAYER_CLASSES[layer_type](config, max_draft) for layer_type in config.layer_types]
+        layers = [
+            _REWINDABLE_LAYER_CLASSES[layer_type](config, max_draft, undo_single_token_forwards)
+            for layer_type in config.layer_types
+        ]
         # Straight to `Cache.__init__`: `DynamicCache.__init__(config=...)` would build the stock layers instead
         Cache.__init__(self, layers=layers)
         self.max_draft = max_draft
@@ -327,20 +355,25 @@ class RewindableDeepseekV4Cache(DynamicCache):
         """
         current = self.get_seq_length()
         length = current + max_length if max_length <= 0 else min(max_length, current)
+        if length == current:  # every step that accepts all it verified, or verified no draft
+            return
         for layer in self.layers:
             layer.check_rewind(length)
         for layer in self.layers:
             layer.crop(length - current)
 
 
-def make_rewindable(cache: DynamicCache, max_draft: int) -> RewindableDeepseekV4Cache:
+def make_rewindable(
+    cache: DynamicCache, max_draft: int, undo_single_token_forwards: bool = True
+) -> RewindableDeepseekV4Cache:
     """Turn a stock V4 cache (plain decoding's, or one a speculative call returned) into a rewindable one, in place:
     its layers keep their state and start their history there, so a continuation can roll back its own drafts."""
     rewindable = {stock: klass for klass, stock in STOCK_LAYER_CLASSES.items()}
     for layer in cache.layers:
         layer.__class__ = rewindable[type(layer)]
-        layer._init_history(max_draft)
-        layer._adopt_state()
+        layer._init_history(max_draft, undo_single_token_forwards)
+        if layer.is_initialized:
+            layer._adopt_state()
     cache.__class__ = RewindableDeepseekV4Cache
     cache.max_draft = max_draft
     return cache

@@ -8,7 +8,8 @@ verified depends only on what is known before its token is drawn (confidences 1.
 token or on later positions: a rule that looked at them would bias speculative sampling. Seconds come from timings
 of the drafter and of target forwards over 1..k+1 tokens: on a CPU a longer verify costs more, on a GPU about the
 same, so no cost is assumed. When drafting loses to plain decoding, steps decode plainly with no drafter forward,
-and a probe drafts again after a backoff that grows fourfold while probes keep losing. Under "adaptive" all of that
+and a probe drafts again after a backoff that grows fourfold while probes keep losing; a call that
+would decode plainly from start to end runs plain decoding's own loop. Under "adaptive" all of that
 (calibration, costs, backoff) carries over to the drafter's next call with the same target and setting
 (`ScheduleMemory`); "adaptive_transient" learns from nothing in every call.
 
@@ -27,7 +28,8 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .draft_options import (
@@ -216,17 +218,28 @@ class AdaptiveDraftPolicy(DraftPolicy):
     `ScheduleMemory` keeps it from one call to the next.
     """
 
-    max_backoff = 64  # plain steps between probes at most
-    backoff_growth = 4  # each losing probe: 1, 4, 16, 64 plain steps before the next
+    max_backoff = 1024  # plain steps between probes at most
+    max_unsure_backoff = 64  # ... until a full window of drafted steps says drafting loses
+    backoff_growth = 4  # each losing probe: 1, 4, 16, 64 (64, ...), 256, 1024 plain steps before the next
     drafting_window = 16  # the drafted steps whose tokens and seconds decide whether drafting pays
 
     def __init__(self, max_draft: int):
         super().__init__(max_draft)
         self.calibration = AcceptanceCalibration()
         self.costs = StepCosts()
-        self.recent_drafted_steps: deque[tuple[int, float]] = deque(maxlen=self.drafting_window)
+        # Per drafted step: the confidences of the drafts it verified, and its seconds
+        self.recent_drafted_steps: deque[tuple[list[float], float]] = deque(maxlen=self.drafting_window)
         self.backoff = 1
         self.plain_steps_left = 0
+
+    def decodes_plainly(self, steps: int) -> bool:
+        """Before a call: whether its next `steps` steps all decode plainly (then plain decoding's own loop runs
+        them)."""
+        return self.plain_steps_left >= steps
+
+    def skip(self, steps: int) -> None:
+        """`steps` steps were decoded plainly outside the assisted loop."""
+        self.plain_steps_left = max(self.plain_steps_left - steps, 0)
 
     def should_draft(self) -> bool:
         if self.plain_steps_left > 0:
@@ -264,28 +277,49 @@ class AdaptiveDraftPolicy(DraftPolicy):
         return deeper >= now
 
     def _drafting_pays(self) -> bool:
-        """Unless the recent drafted steps show drafting losing to plain steps beyond their noise: their mean tokens
-        per step gets one standard error of benefit of the doubt (at least a fair coin's, 0.5 / sqrt(steps)). One
-        step's accept/reject is a coin flip, and a drafter that wins by 15% would otherwise lose after two unlucky
-        steps. Their seconds count by the median: one slow step (a first call's one-off costs, a busy machine) stays
-        in the window until 16 probes replace it, which in a long backoff takes a thousand steps."""
-        tokens = [n for n, _ in self.recent_drafted_steps]
+        """Whether the recent drafted steps bring more tokens per second than plain steps. Their tokens are the
+        ones expected from their drafts' confidences under the calibration, not the ones accepted: one step's
+        accept/reject is a coin flip, and a window of 16 flips misjudged a drafter that wins by 10% often enough
+        to skip a quarter of its steps (native MTP k=1), while the calibration has seen every verified draft. Their
+        seconds count by the median: one slow step (a first call's one-off costs, a busy machine) stays in the
+        window until 16 probes replace it, which in a long backoff takes thousands of steps."""
+        tokens = statistics.fmean(self._expected_tokens(confidences) for confidences, _ in self.recent_drafted_steps)
         seconds = statistics.median(t for _, t in self.recent_drafted_steps)
-        spread = max(statistics.stdev(tokens) if len(tokens) > 1 else 0.0, 0.5)
-        optimistic_tokens = statistics.fmean(tokens) + spread / math.sqrt(len(tokens))
-        return optimistic_tokens / seconds >= 1.0 / self.costs.step_seconds_up_to(1)[0]
+        return tokens / seconds >= self._plain_rate()
+
+    def _probe_pays(self, verified_confidences: Sequence[float], seconds: float) -> bool:
+        """Whether one drafted step, by the tokens its confidences promise, beats plain steps."""
+        return self._expected_tokens(verified_confidences) / seconds >= self._plain_rate()
+
+    def _expected_tokens(self, verified_confidences: Sequence[float]) -> float:
+        return expected_tokens([self.calibration.probability(c) for c in verified_confidences])[-1]
+
+    def _plain_rate(self) -> float:
+        return 1.0 / self.costs.step_seconds_up_to(1)[0]
 
     def record(self, step: StepRecord) -> None:
         self.costs.record(step)
         if not step.drafter_forwards:
             return
         self.calibration.update(step.confidences, step.proposed, step.accepted)
-        self.recent_drafted_steps.append((step.accepted + 1, step.draft_seconds + step.other_seconds))
+        verified, seconds = list(step.confidences[: step.proposed]), step.draft_seconds + step.other_seconds
+        probe = self.backoff > 1  # the first drafted step after a backoff
+        self.recent_drafted_steps.append((verified, seconds))
         if self._drafting_pays():
             self.backoff = 1
-        else:  # decode plainly for a while, then probe; wait longer each time a probe loses
+            return
+        # Decode plainly for a while, then probe. The window still holds the steps from before the backoff, so a
+        # probe that pays on its own only shortens the wait; one that loses lengthens the next. A drafter that
+        # started to pay drafts again within about 1,400 steps of the longest backoff, not 16 of them.
+        if probe and self._probe_pays(verified, seconds):
+            self.backoff = max(self.backoff // self.backoff_growth, 1)
             self.plain_steps_left = self.backoff
-            self.backoff = min(self.backoff_growth * self.backoff, self.max_backoff)
+        else:  # a wait past 64 steps needs a full window: a first call's one-off costs can make one step lose
+            self.plain_steps_left = self.backoff
+            full = len(self.recent_drafted_steps) == self.drafting_window
+            self.backoff = min(
+                self.backoff_growth * self.backoff, self.max_backoff if full else self.max_unsure_backoff
+            )
 
 
 def lowest_cost_threshold(scores: Sequence[float], positives: Sequence[bool]) -> float:
@@ -418,6 +452,21 @@ def schedule_memory(drafter) -> ScheduleMemory:
     return vars(drafter).setdefault(_MEMORY_ATTRIBUTE, ScheduleMemory())
 
 
+@contextmanager
+def schedule_memory_of(drafter, memory: ScheduleMemory) -> Iterator[None]:
+    """While it lasts, `drafter`'s calls learn from and into `memory`: evaluation methods that share one drafter
+    are separate sessions. Not for concurrent calls on `drafter`."""
+    saved = vars(drafter).get(_MEMORY_ATTRIBUTE)
+    vars(drafter)[_MEMORY_ATTRIBUTE] = memory
+    try:
+        yield
+    finally:
+        if saved is None:
+            del vars(drafter)[_MEMORY_ATTRIBUTE]
+        else:
+            vars(drafter)[_MEMORY_ATTRIBUTE] = saved
+
+
 def reset_draft_schedule(drafter) -> None:
     """Forget what the adaptive schedule learned with `drafter` (every target and setting): its next call starts
     afresh. The heuristic schedule's length is `drafter.generation_config.num_assistant_tokens`; set that."""
@@ -444,6 +493,10 @@ class CallSchedule:
             self.policy = ConstantDraftPolicy(num_draft_tokens)
         threshold = drafter.generation_config.assistant_confidence_threshold
         self.threshold = ConfidenceThreshold(float(threshold)) if threshold else None
+
+    def decodes_plainly(self, steps: int) -> bool:
+        """The call's `steps` steps would all skip drafting: what "adaptive" learned says drafting loses for longer."""
+        return isinstance(self.policy, AdaptiveDraftPolicy) and self.policy.decodes_plainly(steps)
 
     def finish(self) -> None:
         if self.name == ADAPTIVE_SCHEDULE:

@@ -82,6 +82,21 @@ class GenerateRequest:
         return inputs if inputs is not None else self.kwargs.get("input_ids")
 
     @property
+    def new_token_budget(self) -> int:
+        """The most tokens the call may add (`max_new_tokens`, else what `max_length` leaves)."""
+        config = self.generation_config
+        if config.max_new_tokens is not None:
+            return config.max_new_tokens
+        return config.max_length - self.input_ids.shape[1]
+
+    @property
+    def positions_may_lag_cache(self) -> bool:
+        """Position ids may fall behind cache indices: they are passed in, or generate() derives them from an
+        `attention_mask` with zeros."""
+        mask = self.kwargs.get("attention_mask")
+        return "position_ids" in self.kwargs or (mask is not None and not bool(mask.all()))
+
+    @property
     def asks_attentions_it_cannot_get(self) -> bool:
         """`output_attentions` with an attention implementation that returns none (only eager does): plain decoding
         then returns an empty tuple per step."""
@@ -133,7 +148,7 @@ def _exact_assisted_call(
                 _get_stopping_criteria=stopping_criteria,
                 _get_candidate_generator=build_candidate_generator,
             ),
-            target.verify_as_decoding(prompt_length),
+            target.verify_as_decoding(prompt_length, request.positions_may_lag_cache),
             outputs_split_per_token(target.one_token_key_columns, target.prompt_key_columns, cache.get_seq_length()),
         ):
             output = original_generate(target.model, **arguments, **kwargs)
@@ -165,8 +180,11 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
         proposer = MTPProposer(drafter, target, max_draft)
     stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)
     cache = _call_cache(target, request.cache, max_draft)
+    budget = request.new_token_budget
+    if budget > 0 and schedule.decodes_plainly(budget):
+        return _plain_call(original_generate, request, target, cache, schedule, drafter, start)
     timer = StepTimer()
-    with target.capture(proposer.feature_layers) as capture, timer.attach(request.model, cache):
+    with target.capture(proposer.feature_layers) as capture, timer.attach(cache):
 
         def candidate_generator(_original, generation_config, logits_processor, **_) -> SpeculativeCandidateGenerator:
             return SpeculativeCandidateGenerator(
@@ -186,6 +204,36 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     stats.new_tokens = sequences.shape[1] - request.input_ids.shape[1]
     stats.seconds = synchronized_clock() - start
     drafter.last_generation_stats = stats  # with concurrent calls on one drafter: the call that finished last
+    return output
+
+
+def _plain_call(
+    original_generate: Callable,
+    request: GenerateRequest,
+    target: HyperConnectionTarget,
+    cache: Cache,
+    schedule: CallSchedule,
+    drafter: PreTrainedModel,
+    start: float,
+):
+    """A call the learned schedule would decode plainly from its first step to its last: plain decoding's own loop,
+    without the assisted loop's per-step work, and the schedule counts its steps as decoded plainly. `cache` is the
+    call's (`_call_cache`): the caller's cache was checked as for drafting, and is plain decoding's again after."""
+    arguments = {name: value for name, value in request.arguments.items() if name != "assistant_model"}
+    try:
+        kwargs = request.kwargs | {CACHE_ARGUMENT: cache, "cache_implementation": None}
+        output = original_generate(request.model, **arguments, **kwargs)
+    finally:
+        target.release_cache(cache)
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    new_tokens = sequences.shape[1] - request.input_ids.shape[1]
+    schedule.policy.skip(new_tokens)
+    schedule.finish()
+    stats = GenerationStats(num_draft_tokens=schedule.policy.max_draft, schedule=schedule.name)
+    stats.new_tokens = stats.target_forwards = new_tokens
+    stats.skipped_steps = max(new_tokens - 1, 0)
+    stats.seconds = synchronized_clock() - start
+    drafter.last_generation_stats = stats
     return output
 
 
@@ -236,15 +284,14 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
     if assistant is None:
         max_draft = config.prompt_lookup_num_tokens
     else:  # a stock assistant's draft length adapts without a cap: a draft never exceeds what is left to generate
-        new_tokens = config.max_new_tokens
-        max_draft = (new_tokens if new_tokens is not None else config.max_length - input_ids.shape[1]) + 1
+        max_draft = request.new_token_budget + 1
 
     def candidate_generator(original: Callable, **options):
         generator = original(**options)
         _prefill_without_draft(generator)
         if getattr(type(assistant), "_is_stateful", False):  # a stateless assistant's stock cache crops exactly
             assistant_target = get_target_adapter(assistant)
-            generator.assistant_kwargs[CACHE_ARGUMENT] = assistant_target.make_cache(max_draft=max_draft)
+            generator.assistant_kwargs[CACHE_ARGUMENT] = assistant_target.make_assistant_cache(max_draft)
         return generator
 
     cache = _call_cache(target, request.cache, max_draft)

@@ -1,4 +1,4 @@
-"""Where each speculative step's time goes: drafting, the target's verify forward, the cache rollback."""
+"""Where each speculative step's time goes: drafting, verification, the cache rollback."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import Cache, PreTrainedModel
-
-from .call_scope import CallHooks
+from transformers import Cache
 
 
 def synchronized_clock() -> float:
@@ -32,18 +30,20 @@ class IterationTiming:
 
 
 class StepTimer:
-    """Splits each decoding iteration's wall time into drafting, the target forward and the cache rollback.
+    """Splits each decoding iteration's wall time into drafting, verification and the cache rollback.
 
-    An iteration runs from one `get_candidates` call to the next (the last one to the end of `generate`); what
-    the three parts leave over (acceptance, logits processors, feature bookkeeping) is the step's overhead. Only an
-    iteration that drafts is split (`time_parts`): the others are timed as a whole, so a step that skips drafting
-    costs what plain decoding's does, with no synchronisation around its forward and rollback. Each closed iteration
-    goes to `on_close` (set by the candidate generator, which knows what the step drafted).
+    An iteration runs from one `get_candidates` call to the next (the last one to the end of `generate`). Verification
+    runs from the candidates' return (`verify_starts`) to the rollback: the target's forward over them and their
+    acceptance; what the three parts leave over (logits processors of the drafts, feature bookkeeping, the loop's
+    own work) is the step's overhead. Only an iteration that drafts is split (`time_parts`): the others are timed as
+    a whole, so a step that skips drafting costs what plain decoding's does, with no hook on the target and no
+    synchronisation around its forward and rollback. Each closed iteration goes to `on_close` (set by the candidate
+    generator, which knows what the step drafted).
     """
 
     def __init__(self):
         self.start: float | None = None
-        self.forward_start = 0.0
+        self.verify_start = 0.0
         self.parts = {"draft": 0.0, "verify": 0.0, "rollback": 0.0}
         self.iterations = 0
         self.timing_parts = False
@@ -64,42 +64,38 @@ class StepTimer:
         self.timing_parts = False
 
     def time_parts(self) -> None:
-        """Split the current iteration into drafting, verify forward and rollback (a step that drafts)."""
+        """Split the current iteration into drafting, verification and rollback (a step that drafts)."""
         self.timing_parts = True
 
+    def verify_starts(self) -> None:
+        """The candidates go to the target now."""
+        if self.timing_parts:
+            self.verify_start = synchronized_clock()
+
     @contextmanager
-    def timed(self, part: str) -> Iterator[None]:
+    def timed(self, part: str) -> Iterator[float]:
         start = synchronized_clock()
         try:
-            yield
+            yield start
         finally:
             self.parts[part] += synchronized_clock() - start
 
-    def _forward_started(self, *_) -> None:
-        if self.timing_parts:
-            self.forward_start = synchronized_clock()
-
-    def _forward_done(self, *_) -> None:
-        if self.timing_parts:
-            self.parts["verify"] += synchronized_clock() - self.forward_start
-
     @contextmanager
-    def attach(self, model: PreTrainedModel, cache: Cache) -> Iterator[None]:
-        """Time `model`'s forwards (verify) and `cache.crop` (rollback) while this call's `generate` runs."""
+    def attach(self, cache: Cache) -> Iterator[None]:
+        """Time verification and `cache.crop` (rollback) while this call's `generate` runs: transformers' assisted
+        loop crops the target cache once per step, right after accepting."""
         crop = cache.crop
 
         def timed_crop(*args, **kwargs):
             if not self.timing_parts:
                 return crop(*args, **kwargs)
-            with self.timed("rollback"):
+            with self.timed("rollback") as now:
+                self.parts["verify"] += now - self.verify_start
                 return crop(*args, **kwargs)
 
         cache.crop = timed_crop
         try:
-            with CallHooks() as hooks:
-                hooks.before(model, self._forward_started)
-                hooks.after(model, self._forward_done)
-                yield
+            yield
         finally:
             del cache.crop
             self._close(synchronized_clock())

@@ -52,6 +52,11 @@ class PerTokenStopping(StoppingCriteriaList):
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         end = kept = input_ids.shape[1]
+        if end == self.checked_length + 1:  # one new token (a step that verified no draft): as plain decoding asks
+            self.checked_length = end
+            if self.streamer is not None:
+                self.streamer.release(1)
+            return super().__call__(input_ids, scores, **kwargs)
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for length in range(self.checked_length + 1, end + 1):
             prefix_scores = scores[: len(scores) - (end - length)] if scores else scores

@@ -123,8 +123,14 @@ class HyperConnectionTarget:
         gate.load_state_dict(self.collapse_head.state_dict())
 
     def make_cache(self, max_draft: int) -> Cache:
-        """A target cache whose `crop` removes up to `max_draft` trailing tokens exactly."""
+        """A target cache for verifying drafts: its `crop` removes up to `max_draft` trailing tokens of a forward
+        exactly (a forward of one token verifies no draft and need not be undone)."""
         raise NotImplementedError
+
+    def make_assistant_cache(self, max_draft: int) -> Cache:
+        """A cache for this model drafting as a stock assistant: its `crop` also undoes the one-token forwards that
+        drafted the tokens it removes."""
+        return self.make_cache(max_draft)
 
     def adopt_cache(self, cache: Cache, max_draft: int) -> Cache:
         """A cache the caller passed in (plain decoding's, a speculative call's, or one built rewindable), made to
@@ -158,8 +164,9 @@ class HyperConnectionTarget:
                 f"per step. Build it with {cache_class}(config, max_draft={max_draft}), or omit `{CACHE_ARGUMENT}`."
             )
 
-    def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
-        """For one call: whatever makes a verify forward's rows equal one-token decoding's (nothing by default)."""
+    def verify_as_decoding(self, prompt_length: int, positions_may_lag: bool = True) -> AbstractContextManager:
+        """For one call: whatever makes a verify forward's rows equal one-token decoding's (nothing by default).
+        `positions_may_lag`: the call's position ids may fall behind the cache indices (a padded prompt)."""
         return nullcontext()
 
     def one_token_key_columns(self, layer_idx: int, cache_length: int, num_queries: int, query: int) -> torch.Tensor:

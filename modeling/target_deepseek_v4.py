@@ -3,7 +3,7 @@ layout of its attention rows, and the HCA masking a verify forward must share wi
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from transformers import Cache
@@ -20,11 +20,14 @@ class DeepseekV4Target(HyperConnectionTarget):
     has_native_mtp = True
 
     def make_cache(self, max_draft: int) -> RewindableDeepseekV4Cache:
+        return RewindableDeepseekV4Cache(config=self.config, max_draft=max_draft, undo_single_token_forwards=False)
+
+    def make_assistant_cache(self, max_draft: int) -> RewindableDeepseekV4Cache:
         return RewindableDeepseekV4Cache(config=self.config, max_draft=max_draft)
 
     def adopt_cache(self, cache: Cache, max_draft: int) -> Cache:
         if self._is_plain_decodings_cache(cache):
-            return make_rewindable(cache, max_draft)
+            return make_rewindable(cache, max_draft, undo_single_token_forwards=False)
         self._check_rewindable(cache, max_draft, "RewindableDeepseekV4Cache")
         return cache
 
@@ -32,10 +35,10 @@ class DeepseekV4Target(HyperConnectionTarget):
         if isinstance(cache, RewindableDeepseekV4Cache):
             make_stock(cache)
 
-    def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
+    def verify_as_decoding(self, prompt_length: int, positions_may_lag: bool = True) -> AbstractContextManager:
         """A verify forward's rows see the compressed entries one-token decoding sees, also when a padded prompt
-        makes position ids lag the cache."""
-        return hca_visibility_as_decoding(self.model, prompt_length)
+        makes position ids lag the cache (while they are cache indices, the stock mask already is decoding's)."""
+        return hca_visibility_as_decoding(self.model, prompt_length) if positions_may_lag else nullcontext()
 
     def one_token_key_columns(self, layer_idx: int, cache_length: int, num_queries: int, query: int) -> torch.Tensor:
         """A forward's keys are its sliding window, `min(cache_length, sliding_window - 1)` cached keys plus its own

@@ -44,7 +44,7 @@ class LinearAttentionTarget(HyperConnectionTarget):
         if isinstance(cache, RewindableHybridCache):
             make_stock(cache)
 
-    def verify_as_decoding(self, prompt_length: int) -> AbstractContextManager:
+    def verify_as_decoding(self, prompt_length: int, positions_may_lag: bool = True) -> AbstractContextManager:
         """The delta-rule kernels hand their inputs to the cache, which replays them on a rollback."""
         return recording_kernels(self.kernel_module, *self.kernel_names)
 

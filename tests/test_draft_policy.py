@@ -89,27 +89,50 @@ def test_choose_truncates_where_more_drafts_cost_more_than_they_bring():
     assert policy.choose(unsure) == 0
 
 
-def test_losing_drafts_back_off_fourfold_and_a_winning_probe_resumes_drafting():
+def _decode(policy: AdaptiveDraftPolicy, steps: int, drafted: StepRecord) -> list[int]:
+    """Run `steps` steps, recording `drafted` for each one that drafts and a 1-second plain step otherwise; the
+    indices of the steps that drafted."""
+    probes = []
+    for i in range(steps):
+        if policy.should_draft():
+            probes.append(i)
+            policy.record(drafted)
+        else:
+            policy.record(_step(proposed=0, accepted=0, seconds=1.0))
+    return probes
+
+
+def test_losing_drafts_back_off_fourfold_and_winning_probes_resume_drafting():
     policy = AdaptiveDraftPolicy(max_draft=7)
     policy.record(_step(proposed=0, accepted=0, seconds=1.0))  # a plain step: 1 token per second
-    pattern = []
-    for _ in range(160):
-        drafts = policy.should_draft()
-        pattern.append(drafts)
-        if drafts:  # every draft is rejected and costs half a step on top
-            policy.record(_step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.01]))
-        else:
-            policy.record(_step(proposed=0, accepted=0, seconds=1.0))
-    probes = [i for i, drafts in enumerate(pattern) if drafts]
-    assert [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)] == [0, 1, 4, 16, 64, 64]
-    assert policy.backoff == 64
-    for _ in range(70):  # drafts now bring 4 tokens per step: drafting resumes every step
-        if policy.should_draft():
-            policy.record(_step(proposed=3, accepted=3, seconds=1.0, draft=0.5, confidences=[0.9] * 3))
-        else:
-            policy.record(_step(proposed=0, accepted=0, seconds=1.0))
-    assert policy.backoff == 1
-    assert all(policy.should_draft() for _ in range(5))
+    # Every draft is unlikely, rejected, and costs half a step on top
+    losing = _step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.01])
+    probes = _decode(policy, 2000, losing)
+    # Waits past 64 steps once 16 drafted steps (the window) agree
+    assert [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)] == [1, 4, 16] + [64] * 13 + [256]
+    assert policy.backoff == 1024
+    assert policy.decodes_plainly(policy.plain_steps_left) and not policy.decodes_plainly(policy.plain_steps_left + 1)
+    # Drafts now bring 4 tokens per step. The window holds 16 losing steps: each probe pays on its own and shortens
+    # the wait fourfold, with the third the window says drafting pays, and every step drafts again
+    winning = _step(proposed=3, accepted=3, seconds=1.0, draft=0.5, confidences=[0.9] * 3)
+    waiting = policy.plain_steps_left
+    probes = _decode(policy, waiting + 400, winning)
+    assert [b - a - 1 for a, b in zip(probes[:4], probes[1:4], strict=False)] == [256, 64, 0]
+    assert probes[3:] == list(range(probes[3], waiting + 400)) and policy.backoff == 1
+
+
+def test_probes_that_pay_shorten_the_wait_until_the_window_turns():
+    policy = AdaptiveDraftPolicy(max_draft=7)
+    policy.record(_step(proposed=0, accepted=0, seconds=1.0))
+    for _ in range(17):  # a full window of losing steps, and the longest backoff
+        policy.record(_step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.01]))
+    assert policy.backoff == 1024
+    waiting = policy.plain_steps_left
+    winning = _step(proposed=3, accepted=3, seconds=1.0, draft=0.5, confidences=[0.9] * 3)
+    probes = _decode(policy, waiting + 400, winning)
+    # Waits of 256 and 64 after the first two probes; with three the window turns
+    assert [b - a - 1 for a, b in zip(probes[:4], probes[1:4], strict=False)] == [256, 64, 0]
+    assert probes[3:] == list(range(probes[3], waiting + 400))
 
 
 def test_sequential_drafting_stops_when_the_next_draft_does_not_pay():
@@ -209,6 +232,7 @@ def test_adaptive_carries_what_it_learned_to_the_next_call_per_setting(tiny_targ
     next one starts in the 64-step backoff it left and never drafts, where a fresh start (adaptive_transient, another
     temperature, a reset) probes at decoding steps 1 and 3."""
     monkeypatch.setattr(AdaptiveDraftPolicy, "_drafting_pays", lambda self: False)
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_probe_pays", lambda self, *step: False)
     drafter = _untrained(tiny_target, "adaptive")
     prompt = torch.randint(3, tiny_target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
     assert _drafted_steps(tiny_target, drafter, prompt, 30) >= 3
@@ -224,6 +248,44 @@ def test_adaptive_carries_what_it_learned_to_the_next_call_per_setting(tiny_targ
     assert _drafted_steps(tiny_target, drafter, prompt, 10) == 0  # greedy still resumes its own backoff
     reset_draft_schedule(drafter)
     assert _drafted_steps(tiny_target, drafter, prompt, 10) >= 2
+
+
+def test_a_call_the_schedule_would_decode_plainly_runs_plain_decodings_loop(tiny_target, monkeypatch):
+    """Once what "adaptive" learned skips more steps than a call has, the call is plain decoding's own (no assisted
+    loop, no drafter forward) and counts against the backoff; the call that reaches the probe drafts again."""
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_drafting_pays", lambda self: False)
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_probe_pays", lambda self, *step: False)
+    drafter = _untrained(tiny_target, "adaptive")
+    prompt = torch.randint(3, tiny_target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    _drafted_steps(tiny_target, drafter, prompt, 30)
+    key = schedule_memory(drafter).settings(tiny_target)[0]
+    policy = schedule_memory(drafter).checkout(tiny_target, key)
+    policy.plain_steps_left = 25  # as if the last probe had lost with 25 steps of its backoff left
+    schedule_memory(drafter).keep(tiny_target, key, policy)
+    assisted = []
+    original = type(tiny_target)._assisted_decoding
+    monkeypatch.setattr(
+        type(tiny_target),
+        "_assisted_decoding",
+        lambda *args, **kwargs: assisted.append(1) or original(*args, **kwargs),
+    )
+    streamed = []
+
+    class Streamer:
+        def put(self, value):
+            streamed.append(value.reshape(-1))
+
+        def end(self):
+            pass
+
+    out = tiny_target.generate(prompt, assistant_model=drafter, max_new_tokens=20, streamer=Streamer())
+    assert torch.equal(out, tiny_target.generate(prompt, max_new_tokens=20)) and torch.equal(
+        torch.cat(streamed), out[0]
+    )
+    stats = drafter.last_generation_stats
+    assert not assisted and stats.new_tokens == 20 and stats.skipped_share == 1.0
+    assert schedule_memory(drafter).checkout(tiny_target, key).plain_steps_left == 5
+    assert _drafted_steps(tiny_target, drafter, prompt, 10) >= 1 and assisted  # 5 plain steps, then the probe
 
 
 def test_nothing_learned_is_saved_or_copied(tiny_target, tmp_path):

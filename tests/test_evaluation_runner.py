@@ -10,7 +10,7 @@ import torch
 import hf_hyperdflash  # noqa: F401  (generate() integration)
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.evaluation.harness import Setting, SettingResult
-from hf_hyperdflash.evaluation.runner import Method, _drafting_settings, run_methods
+from hf_hyperdflash.evaluation.runner import Method, Session, _drafting_settings, run_methods
 from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
 from hf_hyperdflash.modeling.draft_policy import reset_draft_schedule, schedule_memory
 from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
@@ -167,18 +167,23 @@ def _learned(starts: list, drafter, target):
     yield
 
 
-def test_a_method_resumes_the_draft_length_its_last_call_left(drafters):
-    """Methods share drafters (mtp-k1..k6, each schedule): the heuristic schedule's length is kept per method, and the
-    drafter's own settings come back after every call."""
-    config = drafters["hyperdflash"].generation_config
-    lengths: dict[str, int] = {}
-    method = Method("hdf-heuristic", drafters["hyperdflash"], schedule="heuristic")
-    with _drafting_settings(method, lengths):
+def test_a_method_resumes_the_draft_length_and_learned_state_its_last_call_left(drafters, target):
+    """Methods share drafters (mtp-k1..k6, each schedule): the heuristic schedule's length and what "adaptive"
+    learned are kept per method, and the drafter's own settings and memory come back after every call."""
+    drafter = drafters["hyperdflash"]
+    config = drafter.generation_config
+    own_memory = schedule_memory(drafter)
+    heuristic, adaptive = Session(), Session()
+    method = Method("hdf-heuristic", drafter, schedule="heuristic")
+    with _drafting_settings(method, heuristic):
         assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (3, "heuristic")
         config.num_assistant_tokens = 1  # what the call's heuristic schedule leaves
     assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (3, "adaptive")
-    with _drafting_settings(method, lengths):
+    with _drafting_settings(method, heuristic):
         assert config.num_assistant_tokens == 1
-    with _drafting_settings(Method("hdf", drafters["hyperdflash"]), lengths):
+    with _drafting_settings(Method("hdf", drafter), adaptive):
         assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (3, "adaptive")
-    assert lengths == {"hdf-heuristic": 1, "hdf": 3}
+        assert schedule_memory(drafter) is adaptive.memory
+        target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=3)
+    assert (heuristic.draft_length, adaptive.draft_length) == (1, 3)
+    assert adaptive.memory.settings(target) and schedule_memory(drafter) is own_memory

@@ -61,19 +61,28 @@ def stepwise(model: DeepseekV4ForCausalLM, tokens: list[int]) -> tuple[torch.Ten
 
 
 def speculative_session(
-    model: DeepseekV4ForCausalLM, rng: random.Random, rounds: int
+    model: DeepseekV4ForCausalLM, rng: random.Random, rounds: int, undo_single_token_forwards: bool = True
 ) -> tuple[list[int], torch.Tensor, RewindableDeepseekV4Cache]:
     """A random prompt, then `rounds` of what assisted decoding does: verify a draft of K tokens behind the pending
-    token (K + 1 tokens in one forward), accept a random n of them, `crop` the other K - n.
+    token (K + 1 tokens in one forward), accept a random n of them, `crop` the other K - n; or a run of steps that
+    skip drafting (one-token forwards, `crop(0)`).
 
     Returns the committed tokens, the logits the cache produced for each of them, and the cache.
     """
     vocab = model.config.vocab_size
     tokens = [rng.randrange(3, vocab) for _ in range(rng.randint(5, 60))]
-    cache = RewindableDeepseekV4Cache(model.config, max_draft=MAX_DRAFT)
+    cache = RewindableDeepseekV4Cache(
+        model.config, max_draft=MAX_DRAFT, undo_single_token_forwards=undo_single_token_forwards
+    )
     cache.activate_past_recording()  # assisted decoding calls this; it must change nothing
     logits = [forward(model, tokens, cache)]
     for _ in range(rounds):
+        if rng.random() < 0.3:  # long enough runs to close compressor windows and slide past the window
+            for _ in range(rng.randint(1, 40)):
+                tokens.append(rng.randrange(3, vocab))
+                logits.append(forward(model, tokens[-1:], cache))
+                cache.crop(0)
+            continue
         pending = rng.randrange(3, vocab)  # the token the target picked after the previous round
         draft = [rng.randrange(3, vocab) for _ in range(rng.randint(1, MAX_DRAFT))]
         verify_logits = forward(model, [pending] + draft, cache)
@@ -110,8 +119,10 @@ def assert_same_state(cache: RewindableDeepseekV4Cache, reference: DynamicCache)
                     torch.testing.assert_close(getattr(layer, state)[name], tensor, atol=TOLERANCE, rtol=0)
 
 
-def check_session(model: DeepseekV4ForCausalLM, seed: int, rounds: int) -> None:
-    tokens, logits, cache = speculative_session(model, random.Random(seed), rounds)
+def check_session(
+    model: DeepseekV4ForCausalLM, seed: int, rounds: int, undo_single_token_forwards: bool = True
+) -> None:
+    tokens, logits, cache = speculative_session(model, random.Random(seed), rounds, undo_single_token_forwards)
     reference_logits, reference_cache = stepwise(model, tokens)
     torch.testing.assert_close(logits, reference_logits, atol=TOLERANCE, rtol=0)
     torch.testing.assert_close(logits, forward(model, tokens, cache=None), atol=TOLERANCE, rtol=0)
@@ -120,7 +131,22 @@ def check_session(model: DeepseekV4ForCausalLM, seed: int, rounds: int) -> None:
 
 @pytest.mark.parametrize("seed", range(32))
 def test_rollback_matches_stepwise_and_no_cache_decoding(model, seed):
-    check_session(model, seed, rounds=3)
+    # Half the sessions with the target's verify cache, whose one-token forwards run the stock code
+    check_session(model, seed, rounds=4, undo_single_token_forwards=seed % 2 == 0)
+
+
+def test_verify_cache_does_not_undo_one_token_forwards(model):
+    cache = RewindableDeepseekV4Cache(model.config, max_draft=4, undo_single_token_forwards=False)
+    forward(model, list(range(3, 33)), cache)
+    forward(model, [40], cache)
+    with pytest.raises(ValueError, match="latest forward pass was of one token"):
+        cache.crop(-1)
+    assert cache.get_seq_length() == 31
+    forward(model, [41, 42, 43], cache)  # the history starts again here
+    cache.crop(-2)
+    assert cache.get_seq_length() == 32
+    with pytest.raises(ValueError, match="shortest reachable length is 31"):
+        cache.crop(-2)
 
 
 @pytest.mark.parametrize("seed", range(4))

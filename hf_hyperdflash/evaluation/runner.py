@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..decoding import decoding_settings
-from ..modeling.draft_policy import reset_draft_schedule
+from ..modeling.draft_policy import ScheduleMemory, schedule_memory_of
 from ..modeling.generation_stats import (
     GenerationStats,
     acceptance_per_position,
@@ -178,24 +178,33 @@ class MethodResult:
         }
 
 
+@dataclass
+class Session:
+    """What a method's calls carry from one to the next, apart from other methods on the same drafter: the draft
+    length the "heuristic" schedule leaves, and what "adaptive" learned."""
+
+    draft_length: int | None = None
+    memory: ScheduleMemory = field(default_factory=ScheduleMemory)
+
+
 @contextmanager
-def _drafting_settings(method: Method, draft_lengths: dict[str, int]) -> Iterator[None]:
-    """The method's draft length and schedule in its drafter's generation config for one call, the drafter's own
-    again after it. Methods may share a drafter, so the draft length a call leaves there (the "heuristic" schedule's)
-    is kept in `draft_lengths`, by method name, for the method's next call."""
+def _drafting_settings(method: Method, session: Session) -> Iterator[None]:
+    """The method's draft length, schedule and learned state on its drafter for one call, the drafter's own again
+    after it (methods may share a drafter)."""
     if method.drafter is None:
         yield
         return
     config = method.drafter.generation_config
     overrides = {
-        "num_assistant_tokens": draft_lengths.get(method.name, method.num_draft_tokens),
+        "num_assistant_tokens": session.draft_length if session.draft_length is not None else method.num_draft_tokens,
         "num_assistant_tokens_schedule": method.schedule,
     }
     originals = {name: getattr(config, name) for name in overrides}
     config.update(**{name: value for name, value in overrides.items() if value is not None})
     try:
-        yield
-        draft_lengths[method.name] = config.num_assistant_tokens
+        with schedule_memory_of(method.drafter, session.memory):
+            yield
+        session.draft_length = config.num_assistant_tokens
     finally:
         config.update(**originals)
 
@@ -217,12 +226,12 @@ def _decode(
     input_ids: torch.LongTensor,
     seed: int,
     settings: dict,
-    draft_lengths: dict[str, int],
+    session: Session,
 ) -> tuple[torch.Tensor, float, GenerationStats]:
     """One timed `generate` call: (output ids, seconds, generation stats)."""
     assistant = {"assistant_model": method.drafter} if method.drafter is not None else {}
     context = method.context(input_ids) if method.context is not None else nullcontext()
-    with context, _drafting_settings(method, draft_lengths), _counting_forwards(target) as forwards:
+    with _drafting_settings(method, session), context, _counting_forwards(target) as forwards:
         torch.manual_seed(seed)
         start = synchronized_clock()
         output = target.generate(input_ids, **assistant, **method.generate_options, **settings)
@@ -248,7 +257,7 @@ def _prompt_record(prompt_tokens: int) -> dict:
 def warm_up(target: PreTrainedModel, methods: list[Method], input_ids: torch.LongTensor) -> None:
     """One short untimed run per method, so one-off costs (allocations, lazy init) stay out of the timings."""
     for method in methods:
-        _decode(target, method, input_ids, seed=0, settings=decoding_settings(0, 8), draft_lengths={})
+        _decode(target, method, input_ids, seed=0, settings=decoding_settings(0, 8), session=Session())
 
 
 @torch.no_grad()
@@ -266,10 +275,7 @@ def run_methods(
     method starts with nothing learned, as a new chat session does."""
     if methods[0].drafter is not None:
         raise ValueError(f"The first method must be plain decoding (no drafter), got {methods[0].name!r}.")
-    for method in methods:
-        if method.drafter is not None:
-            reset_draft_schedule(method.drafter)
-    draft_lengths: dict[str, int] = {}
+    sessions = [Session() for _ in methods]
     results = [MethodResult(name=method.name) for method in methods]
     settings = decoding_settings(temperature, max_new_tokens)
     greedy = temperature == 0
@@ -280,7 +286,7 @@ def run_methods(
             shift = repeat % len(methods)
             for m in [*range(shift, len(methods)), *range(shift)]:
                 run_seed = seed * 1_000_003 + index * repeats + repeat  # the same for every method
-                output, seconds, stats = _decode(target, methods[m], input_ids, run_seed, settings, draft_lengths)
+                output, seconds, stats = _decode(target, methods[m], input_ids, run_seed, settings, sessions[m])
                 results[m].record(stats)
                 outputs[m].append(output)
                 runs[m]["new_tokens"].append(stats.new_tokens)
