@@ -227,8 +227,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         super().__init__(max_draft)
         self.calibration = AcceptanceCalibration()
         self.costs = StepCosts()
-        # Per drafted step: the confidences of the drafts it verified, and its seconds
-        self.recent_drafted_steps: deque[tuple[list[float], float]] = deque(maxlen=self.drafting_window)
+        self.recent_drafted_steps: deque[tuple[int, float]] = deque(maxlen=self.drafting_window)  # tokens, seconds
         self.backoff = 1
         self.plain_steps_left = 0
 
@@ -277,22 +276,17 @@ class AdaptiveDraftPolicy(DraftPolicy):
         return deeper >= now
 
     def _drafting_pays(self) -> bool:
-        """Whether the recent drafted steps bring more tokens per second than plain steps. Their tokens are the
-        ones expected from their drafts' confidences under the calibration, not the ones accepted: one step's
-        accept/reject is a coin flip, and a window of 16 flips misjudged a drafter that wins by 10% often enough
-        to skip a quarter of its steps (native MTP k=1), while the calibration has seen every verified draft. Their
-        seconds count by the median: one slow step (a first call's one-off costs, a busy machine) stays in the
-        window until 16 probes replace it, which in a long backoff takes thousands of steps."""
-        tokens = statistics.fmean(self._expected_tokens(confidences) for confidences, _ in self.recent_drafted_steps)
+        """Unless the recent drafted steps show drafting losing to plain steps beyond their noise: their mean tokens
+        per step gets two standard errors of benefit of the doubt (at least a fair coin's, 0.5 / sqrt(steps), each).
+        One step's accept/reject is a coin flip; with one standard error, native MTP k=1, which wins by about 10%
+        here, was judged losing often enough to skip a quarter of its steps, while a drafter that loses by more
+        than that is still caught within a few steps. Their seconds count by the median: one slow step (a first
+        call's one-off costs, a busy machine) stays in the window until 16 probes replace it."""
+        tokens = [n for n, _ in self.recent_drafted_steps]
         seconds = statistics.median(t for _, t in self.recent_drafted_steps)
-        return tokens / seconds >= self._plain_rate()
-
-    def _probe_pays(self, verified_confidences: Sequence[float], seconds: float) -> bool:
-        """Whether one drafted step, by the tokens its confidences promise, beats plain steps."""
-        return self._expected_tokens(verified_confidences) / seconds >= self._plain_rate()
-
-    def _expected_tokens(self, verified_confidences: Sequence[float]) -> float:
-        return expected_tokens([self.calibration.probability(c) for c in verified_confidences])[-1]
+        spread = max(statistics.stdev(tokens) if len(tokens) > 1 else 0.0, 0.5)
+        optimistic_tokens = statistics.fmean(tokens) + 2 * spread / math.sqrt(len(tokens))
+        return optimistic_tokens / seconds >= self._plain_rate()
 
     def _plain_rate(self) -> float:
         return 1.0 / self.costs.step_seconds_up_to(1)[0]
@@ -302,16 +296,16 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if not step.drafter_forwards:
             return
         self.calibration.update(step.confidences, step.proposed, step.accepted)
-        verified, seconds = list(step.confidences[: step.proposed]), step.draft_seconds + step.other_seconds
+        tokens, seconds = step.accepted + 1, step.draft_seconds + step.other_seconds
         probe = self.backoff > 1  # the first drafted step after a backoff
-        self.recent_drafted_steps.append((verified, seconds))
+        self.recent_drafted_steps.append((tokens, seconds))
         if self._drafting_pays():
             self.backoff = 1
             return
         # Decode plainly for a while, then probe. The window still holds the steps from before the backoff, so a
         # probe that pays on its own only shortens the wait; one that loses lengthens the next. A drafter that
         # started to pay drafts again within about 1,400 steps of the longest backoff, not 16 of them.
-        if probe and self._probe_pays(verified, seconds):
+        if probe and tokens / seconds >= self._plain_rate():
             self.backoff = max(self.backoff // self.backoff_growth, 1)
             self.plain_steps_left = self.backoff
         else:  # a wait past 64 steps needs a full window: a first call's one-off costs can make one step lose
