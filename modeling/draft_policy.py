@@ -100,15 +100,18 @@ class RunningMean:
     """Exponentially weighted mean: recent steps count most, since costs and acceptance drift within a call."""
 
     def __init__(self, smoothing: float = 0.3):
-        self.smoothing, self.value = smoothing, None
+        self.smoothing, self.value, self.count = smoothing, None, 0
 
     def add(self, value: float) -> None:
         self.value = value if self.value is None else self.value + self.smoothing * (value - self.value)
+        self.count += 1
 
 
 class StepCosts:
     """Seconds per drafter forward and per step by verified length (a target forward over n tokens plus the step's
-    bookkeeping), as measured. Lengths not yet seen are read off a line fitted to the ones seen."""
+    bookkeeping): a line fitted to the lengths timed, each weighted by how often it was (up to 16 steps)."""
+
+    max_weight = 16
 
     def __init__(self):
         self.drafter_forward = RunningMean()
@@ -123,23 +126,27 @@ class StepCosts:
         return forwards * (self.drafter_forward.value or 0.0)
 
     def step_seconds_up_to(self, longest: int) -> list[float] | None:
-        """Entry n-1: a step verifying n tokens, for n = 1..longest; None before any step was timed. Timed lengths
-        use their own mean; others a least-squares line through them (slope >= 0), flat while one length is known
-        (a GPU's case: a longer verify costs about the same)."""
-        points = [(n, mean.value) for n, mean in self.by_length.items()]
+        """Entry n-1: a step verifying n tokens, for n = 1..longest; None before any step was timed. The line
+        (slope >= 0) is flat while one length is known (a GPU's case: a longer verify costs about the same). Every
+        length reads the line, not its own mean: a length timed once, in a slow step, would otherwise keep that
+        cost, never be verified again, and never be timed again."""
+        points = [(n, mean.value, min(mean.count, self.max_weight)) for n, mean in self.by_length.items()]
         if not points:
             return None
-        intercept, slope = points[0][1], 0.0
-        if len(points) > 1:
-            mean_n = statistics.fmean(n for n, _ in points)
-            mean_t = statistics.fmean(t for _, t in points)
-            spread = sum((n - mean_n) ** 2 for n, _ in points)
-            slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in points) / spread)
-            intercept = mean_t - slope * mean_n
-        return [
-            self.by_length[n].value if n in self.by_length else max(intercept + slope * n, 1e-9)
-            for n in range(1, longest + 1)
-        ]
+        total = sum(w for _, _, w in points)
+        mean_n = sum(n * w for n, _, w in points) / total
+        mean_t = sum(t * w for _, t, w in points) / total
+        spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
+        slope = max(0.0, sum(w * (n - mean_n) * (t - mean_t) for n, t, w in points) / spread) if spread else 0.0
+        intercept = mean_t - slope * mean_n
+        return [max(intercept + slope * n, 1e-9) for n in range(1, longest + 1)]
+
+    def plain_step_seconds(self) -> float | None:
+        """A step that skips drafting, as timed (else the line's one-token verify)."""
+        if 1 in self.by_length:
+            return self.by_length[1].value
+        seconds = self.step_seconds_up_to(1)
+        return seconds[0] if seconds else None
 
 
 class DraftPolicy(ABC):
@@ -289,7 +296,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         return optimistic_tokens / seconds >= self._plain_rate()
 
     def _plain_rate(self) -> float:
-        return 1.0 / self.costs.step_seconds_up_to(1)[0]
+        return 1.0 / self.costs.plain_step_seconds()
 
     def record(self, step: StepRecord) -> None:
         self.costs.record(step)

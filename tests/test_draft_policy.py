@@ -76,7 +76,22 @@ def test_step_costs_are_flat_from_one_length_and_a_line_from_several():
     falling = StepCosts()
     falling.record(_step(proposed=0, accepted=0, seconds=2.0))
     falling.record(_step(proposed=7, accepted=0, seconds=1.0, draft=0.1))
-    assert falling.step_seconds_up_to(4)[1:] == pytest.approx([1.5] * 3)  # slope 0 at least: longer is never cheaper
+    assert falling.step_seconds_up_to(4) == pytest.approx([1.5] * 4)  # slope 0 at least: longer is never cheaper
+    assert falling.plain_step_seconds() == 2.0  # a skipped step as timed
+
+
+def test_every_length_reads_the_line_weighted_by_how_often_it_was_timed():
+    costs = StepCosts()
+    for _ in range(20):  # lengths 1 and 8, timed often, on the line 1 + (n - 1) / 7
+        costs.record(_step(proposed=0, accepted=0, seconds=1.0))
+        costs.record(_step(proposed=7, accepted=0, seconds=2.0, draft=0.1))
+    costs.record(_step(proposed=3, accepted=0, seconds=5.0, draft=0.1))  # length 4 once, in a slow step
+    seconds = costs.step_seconds_up_to(8)
+    assert seconds == sorted(seconds)  # longer never cheaper, length 4 included
+    # The slow step moves the line by its weight: 1 of 33
+    assert (
+        seconds[3] < 2.0 and seconds[0] == pytest.approx(1.0, abs=0.15) and seconds[7] == pytest.approx(2.0, abs=0.15)
+    )
 
 
 def test_choose_truncates_where_more_drafts_cost_more_than_they_bring():
