@@ -122,14 +122,12 @@ def test_losing_drafts_back_off_fourfold_and_a_winning_probe_resumes_drafting():
     policy = AdaptiveDraftPolicy(max_draft=7)
     policy.record(_step(proposed=0, accepted=0, seconds=1.0))  # a plain step: 1 token per second
     # Every draft is rejected and costs half a step on top: 1 token per 1.5 s. Two standard errors of benefit of the
-    # doubt (a coin's at least) keep the first 4 drafted steps; then the waits grow, past 64 steps once 16 drafted
-    # steps (the window) agree
+    # doubt (a coin's at least) and the 5% break-even margin keep the first 5 drafted steps; then the waits grow,
+    # past 64 steps once 16 drafted steps (the window) agree
     losing = _step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.01])
     probes = _decode(policy, 2000, losing)
-    assert [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)] == [0] * 4 + [1, 4, 16] + [64] * 9 + [
-        256,
-        1024,
-    ]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps == [0] * 5 + [1, 4, 16] + [64] * 8 + [256, 1024]
     assert policy.backoff == 1024
     assert policy.decodes_plainly(policy.plain_steps_left) and not policy.decodes_plainly(policy.plain_steps_left + 1)
     # Drafts now bring 4 tokens per step: one probe turns the window, and every step drafts again
@@ -146,12 +144,12 @@ def test_probes_that_pay_shorten_the_wait_until_the_window_turns():
         policy.record(_step(proposed=1, accepted=0, seconds=1.0, draft=0.5))
     assert policy.backoff == 1024
     waiting = policy.plain_steps_left
-    # 2 tokens per 1.5 s: each probe pays on its own, and shortens the wait fourfold; the fourth turns the window
+    # 2 tokens per 1.5 s: each probe pays on its own, and shortens the wait fourfold; the third turns the window
     better = _step(proposed=3, accepted=1, seconds=1.0, draft=0.5)
     probes = _decode(policy, waiting + 400, better)
     assert probes[0] == waiting
-    assert [b - a - 1 for a, b in zip(probes[:4], probes[1:4], strict=False)] == [256, 64, 16]
-    assert probes[3:] == list(range(probes[3], waiting + 400))
+    assert [b - a - 1 for a, b in zip(probes[:3], probes[1:3], strict=False)] == [256, 64]
+    assert probes[2:] == list(range(probes[2], waiting + 400))
 
 
 def test_sequential_drafting_stops_when_the_next_draft_does_not_pay():
