@@ -179,10 +179,10 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     else:
         proposer = MTPProposer(drafter, target, max_draft)
     stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)
-    cache = _call_cache(target, request.cache, max_draft)
     budget = request.new_token_budget
     if budget > 0 and schedule.decodes_plainly(budget):
-        return _plain_call(original_generate, request, target, cache, schedule, drafter, start)
+        return _plain_call(original_generate, request, target, max_draft, schedule, drafter, start)
+    cache = _call_cache(target, request.cache, max_draft)
     timer = StepTimer()
     with target.capture(proposer.feature_layers) as capture, timer.attach(cache):
 
@@ -211,20 +211,20 @@ def _plain_call(
     original_generate: Callable,
     request: GenerateRequest,
     target: HyperConnectionTarget,
-    cache: Cache,
+    max_draft: int,
     schedule: CallSchedule,
     drafter: PreTrainedModel,
     start: float,
 ):
-    """A call the learned schedule would decode plainly from its first step to its last: plain decoding's own loop,
-    without the assisted loop's per-step work, and the schedule counts its steps as decoded plainly. `cache` is the
-    call's (`_call_cache`): the caller's cache was checked as for drafting, and is plain decoding's again after."""
+    """A call the learned schedule would decode plainly from its first step to its last: plain decoding's own loop
+    and cache, without the assisted loop's per-step work, and the schedule counts its steps as decoded plainly. A
+    cache the caller passed is checked as a drafting call checks it, and left as plain decoding's, as one leaves it."""
     arguments = {name: value for name, value in request.arguments.items() if name != "assistant_model"}
-    try:
-        kwargs = request.kwargs | {CACHE_ARGUMENT: cache, "cache_implementation": None}
-        output = original_generate(request.model, **arguments, **kwargs)
-    finally:
-        target.release_cache(cache)
+    cache = {}
+    if request.cache is not None:
+        target.release_cache(_call_cache(target, request.cache, max_draft))
+        cache = {CACHE_ARGUMENT: request.cache}
+    output = original_generate(request.model, **arguments, **request.kwargs, **cache)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     new_tokens = sequences.shape[1] - request.input_ids.shape[1]
     schedule.policy.skip(new_tokens)
