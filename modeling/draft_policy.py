@@ -311,7 +311,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         tokens, seconds = step.accepted + 1, step.draft_seconds + step.other_seconds
         probe = self.backoff > 1  # the first drafted step after a backoff
         self.recent_drafted_steps.append((tokens, seconds))
-        if self._drafting_pays():
+        if step.proposed and self._drafting_pays():  # a drafter forward that verified nothing lost by construction
             self.backoff = 1
             return
         # Decode plainly for a while, then probe. The window still holds the steps from before the backoff, so a
