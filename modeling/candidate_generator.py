@@ -276,13 +276,11 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         if self.threshold is not None:
             self.token_probabilities = draft.token_probabilities[: self.last_proposed]
             self.last_proposed = self.threshold.cut(self.token_probabilities)
+        self.timer.verify_starts()
         if not self.last_proposed:
-            self.timer.verify_starts()
             return input_ids, None
         tokens, logits = draft.tokens[:, : self.last_proposed], draft.logits[:, : self.last_proposed]
-        candidates = torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1)
-        self.timer.verify_starts()
-        return candidates, logits
+        return torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         self.last_accepted = int(num_matches)

@@ -200,11 +200,19 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
 
         output = _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
     schedule.finish()  # after the timer closed the last step, which the schedule learns from too
+    _record_call(stats, output, request, drafter, start)
+    return output
+
+
+def _record_call(
+    stats: GenerationStats, output, request: GenerateRequest, drafter: PreTrainedModel, start: float
+) -> None:
+    """The call's new tokens and wall time in `stats`, which become `drafter.last_generation_stats` (with concurrent
+    calls on one drafter: the call that finished last)."""
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     stats.new_tokens = sequences.shape[1] - request.input_ids.shape[1]
     stats.seconds = synchronized_clock() - start
-    drafter.last_generation_stats = stats  # with concurrent calls on one drafter: the call that finished last
-    return output
+    drafter.last_generation_stats = stats
 
 
 def _plain_call(
@@ -225,15 +233,11 @@ def _plain_call(
         target.release_cache(_call_cache(target, request.cache, max_draft))
         cache = {CACHE_ARGUMENT: request.cache}
     output = original_generate(request.model, **arguments, **request.kwargs, **cache)
-    sequences = output if isinstance(output, torch.Tensor) else output.sequences
-    new_tokens = sequences.shape[1] - request.input_ids.shape[1]
-    schedule.policy.skip(new_tokens)
-    schedule.finish()
     stats = GenerationStats(num_draft_tokens=schedule.policy.max_draft, schedule=schedule.name)
-    stats.new_tokens = stats.target_forwards = new_tokens
-    stats.skipped_steps = max(new_tokens - 1, 0)
-    stats.seconds = synchronized_clock() - start
-    drafter.last_generation_stats = stats
+    _record_call(stats, output, request, drafter, start)
+    stats.target_forwards, stats.skipped_steps = stats.new_tokens, max(stats.new_tokens - 1, 0)
+    schedule.policy.skip(stats.new_tokens)
+    schedule.finish()
     return output
 
 
