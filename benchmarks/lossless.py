@@ -11,7 +11,8 @@ Drafters: an untrained HyperDFlash drafter (`from_target`, block 8: nearly every
 drafter with its proposals replaced by the test oracle (`hf_hyperdflash.testing.OracleProposer`: the plain
 continuation, each token corrupted with probability `--corruption`), so full, partial and zero acceptance all occur.
 Each runs under every draft schedule in `--schedules`: "adaptive" (the default: draft length chosen per step, and
-steps that skip drafting) and "constant" (every step drafts 7 tokens, so every verify path is exercised). The
+steps that skip drafting) and "constant" (every step drafts 7 tokens, so every verify path is exercised); each
+drafter-schedule pair keeps its own learned schedule across its calls, as separate chat sessions would. The
 script prints how often each outcome occurred, counted per verify step, and the share of steps that skipped drafting.
 
 What "lossless" means in each printed line:
@@ -35,7 +36,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 
 import torch
@@ -46,9 +47,11 @@ from hf_hyperdflash import HyperDFlashForDrafting, reference
 from hf_hyperdflash.evaluation.prompts import chat_prompt_ids, held_out_prompts
 from hf_hyperdflash.evaluation.runner import MethodResult
 from hf_hyperdflash.modeling.draft_options import SCHEDULES
+from hf_hyperdflash.modeling.draft_policy import ScheduleMemory, schedule_memory_of
 from hf_hyperdflash.testing import OracleProposer, chi_square_p_value, oracle_drafting, tiny_deepseek_v4
 
 UNTRAINED, ORACLE = "untrained-hyperdflash", "oracle"
+SESSIONS: defaultdict[str, ScheduleMemory] = defaultdict(ScheduleMemory)  # by method: what its schedule learned
 
 
 def load_target(choice: str) -> tuple[PreTrainedModel, str]:
@@ -80,14 +83,17 @@ def method_names(schedules: list[str]) -> list[str]:
 
 @contextmanager
 def drafting(name: str, drafter, reference_ids: torch.LongTensor, corruption: float, seed: int):
-    """The context a method runs in: its schedule, and for the oracle its proposals (a corrupted `reference_ids`)."""
+    """The context a method runs in: its schedule and what that schedule learned in the method's earlier calls
+    (the two drafters share one instance, and the oracle must not inherit the untrained drafter's "drafting
+    loses"), and for the oracle its proposals (a corrupted `reference_ids`)."""
     kind, schedule = name.removesuffix(")").split(" (")
     drafter.generation_config.num_assistant_tokens_schedule = schedule
-    if kind == ORACLE:
-        with oracle_drafting(OracleProposer(drafter.config.vocab_size, reference_ids, corruption, seed=seed)):
+    with schedule_memory_of(drafter, SESSIONS[name]):
+        if kind == ORACLE:
+            with oracle_drafting(OracleProposer(drafter.config.vocab_size, reference_ids, corruption, seed=seed)):
+                yield
+        else:
             yield
-    else:
-        yield
 
 
 def outcome_counts(result: MethodResult) -> Counter:

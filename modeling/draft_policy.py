@@ -54,6 +54,15 @@ class StepRecord:
     other_seconds: float  # the rest of the step: the verify forward, acceptance, rollback
 
 
+@dataclass(frozen=True)
+class DraftedStep:
+    """A step that ran the drafter, as the adaptive schedule judges whether drafting pays."""
+
+    tokens: int  # accepted drafts + the bonus token
+    verified: int  # tokens in the verify forward: drafts sent + 1 (1: every draft was cut)
+    seconds: float
+
+
 def expected_tokens(acceptance: Sequence[float]) -> list[float]:
     """Entry k: expected tokens a step adds when it verifies the first k drafts (the bonus token included),
     given each draft's acceptance probability once the ones before it were accepted."""
@@ -105,6 +114,17 @@ class RunningMean:
     def add(self, value: float) -> None:
         self.value = value if self.value is None else self.value + self.smoothing * (value - self.value)
         self.count += 1
+
+
+class FadingMean:
+    """The mean of the last `horizon` values or so: a plain mean until then, older values fading after."""
+
+    def __init__(self, horizon: int):
+        self.horizon, self.value, self.count = horizon, 0.0, 0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.value += (value - self.value) / min(self.count, self.horizon)
 
 
 class StepCosts:
@@ -229,15 +249,27 @@ class AdaptiveDraftPolicy(DraftPolicy):
     max_unsure_backoff = 64  # ... until a full window of drafted steps says drafting loses
     backoff_growth = 4  # each losing probe: 1, 4, 16, 64 (64, ...), 256, 1024 plain steps before the next
     drafting_window = 16  # the drafted steps whose tokens and seconds decide whether drafting pays
+    long_run_horizon = 512  # the drafted steps, over calls, that say whether a new call starts drafting
     break_even_margin = 0.05  # drafting stays on unless it loses by more than this
 
     def __init__(self, max_draft: int):
         super().__init__(max_draft)
         self.calibration = AcceptanceCalibration()
         self.costs = StepCosts()
-        self.recent_drafted_steps: deque[tuple[int, float]] = deque(maxlen=self.drafting_window)  # tokens, seconds
+        self.recent_drafted_steps: deque[DraftedStep] = deque(maxlen=self.drafting_window)
+        self.long_run_tokens = FadingMean(self.long_run_horizon)
+        self.long_run_seconds = FadingMean(self.long_run_horizon)
         self.backoff = 1
         self.plain_steps_left = 0
+
+    def begin_call(self) -> None:
+        """A call carried over from earlier ones decodes new text. How well a drafter does depends on the text
+        (native MTP k=1 here: 0.66x to 1.7x of plain decoding by prompt), so when drafting paid over the drafted
+        steps of the calls so far, the call starts drafting with an empty window, however the last call ended; a
+        drafter that never paid (an untrained one) keeps its wait, and later calls cost no probes."""
+        if self.long_run_tokens.count and self._pays(self.long_run_tokens.value, self.long_run_seconds.value):
+            self.recent_drafted_steps.clear()
+            self.backoff, self.plain_steps_left = 1, 0
 
     def decodes_plainly(self, steps: int) -> bool:
         """Before a call: whether its next `steps` steps all decode plainly (then plain decoding's own loop runs
@@ -283,41 +315,45 @@ class AdaptiveDraftPolicy(DraftPolicy):
         deeper = totals[depth + 1] / (seconds[depth + 1] + self.costs.draft_seconds(depth + 1))
         return deeper >= now
 
+    def _pays(self, tokens: float, seconds: float) -> bool:
+        """Whether `tokens` per step in `seconds` beat plain steps' rate less `break_even_margin`: a drafter within
+        it of break-even keeps drafting. Switching it off costs more than the margin: every skipped step still runs
+        in the assisted loop, each probe catches up on the skipped context (native MTP k=1's probes measured 13%
+        slower than its steps while it drafted every step), and a long wait takes many probes to end."""
+        return tokens / seconds >= (1.0 - self.break_even_margin) / self.costs.plain_step_seconds()
+
     def _drafting_pays(self) -> bool:
         """Unless the recent drafted steps show drafting losing to plain steps beyond their noise: their mean tokens
-        per step gets two standard errors of benefit of the doubt (at least a fair coin's, 0.5 / sqrt(steps), each).
-        One step's accept/reject is a coin flip; with one standard error, native MTP k=1, which wins by about 10%
-        here, was judged losing often enough to skip a quarter of its steps, while a drafter that loses by more
-        than that is still caught within a few steps. Their seconds count by the median: one slow step (a first
-        call's one-off costs, a busy machine) stays in the window until 16 probes replace it."""
-        tokens = [n for n, _ in self.recent_drafted_steps]
-        seconds = statistics.median(t for _, t in self.recent_drafted_steps)
-        spread = max(statistics.stdev(tokens) if len(tokens) > 1 else 0.0, 0.5)
-        optimistic_tokens = statistics.fmean(tokens) + 2 * spread / math.sqrt(len(tokens))
-        return optimistic_tokens / seconds >= self._plain_rate()
-
-    def _plain_rate(self) -> float:
-        """Plain steps' tokens per second, less `break_even_margin`: a drafter within it of break-even keeps
-        drafting. Switching it off costs more than the margin: every skipped step still runs in the assisted loop,
-        each probe catches up on the skipped context (native MTP k=1's probes measured 13% slower than its steps
-        while it drafted every step), and a long wait takes many probes to end."""
-        return (1.0 - self.break_even_margin) / self.costs.plain_step_seconds()
+        per step gets two standard errors of benefit of the doubt, each verified step counting as at least a fair
+        coin's (spread 0.5); a step whose drafts were all cut verified nothing and adds no doubt. One step's
+        accept/reject is a coin flip; with one standard error, native MTP k=1, which wins by about 10% here, was
+        judged losing often enough to skip a quarter of its steps, while a drafter that loses by more than that
+        is still caught within a few steps. Their seconds count by the median: one slow step (a first call's
+        one-off costs, a busy machine) stays in the window until 16 probes replace it."""
+        window = self.recent_drafted_steps
+        verified = [step.tokens for step in window if step.verified > 1]
+        spread = max(statistics.stdev(verified) if len(verified) > 1 else 0.0, 0.5)
+        optimistic_tokens = statistics.fmean(step.tokens for step in window)
+        optimistic_tokens += 2 * spread * math.sqrt(len(verified)) / len(window)
+        return self._pays(optimistic_tokens, statistics.median(step.seconds for step in window))
 
     def record(self, step: StepRecord) -> None:
         self.costs.record(step)
         if not step.drafter_forwards:
             return
         self.calibration.update(step.confidences, step.proposed, step.accepted)
-        tokens, seconds = step.accepted + 1, step.draft_seconds + step.other_seconds
+        drafted = DraftedStep(step.accepted + 1, step.proposed + 1, step.draft_seconds + step.other_seconds)
         probe = self.backoff > 1  # the first drafted step after a backoff
-        self.recent_drafted_steps.append((tokens, seconds))
-        if step.proposed and self._drafting_pays():  # a drafter forward that verified nothing lost by construction
+        self.recent_drafted_steps.append(drafted)
+        self.long_run_tokens.add(drafted.tokens)
+        self.long_run_seconds.add(drafted.seconds)
+        if self._drafting_pays():
             self.backoff = 1
             return
         # Decode plainly for a while, then probe. The window still holds the steps from before the backoff, so a
         # probe that pays on its own only shortens the wait; one that loses lengthens the next. A drafter that
         # started to pay drafts again within about 1,400 steps of the longest backoff, not 16 of them.
-        if probe and tokens / seconds >= self._plain_rate():
+        if probe and self._pays(drafted.tokens, drafted.seconds):
             self.backoff = max(self.backoff // self.backoff_growth, 1)
             self.plain_steps_left = self.backoff
         else:  # a wait past 64 steps needs a full window: a first call's one-off costs can make one step lose
@@ -491,6 +527,7 @@ class CallSchedule:
         if name == ADAPTIVE_SCHEDULE:
             self.key = ScheduleKey.of(target, drafter, generation_config, num_draft_tokens)
             self.policy: DraftPolicy = schedule_memory(drafter).checkout(target, self.key)
+            self.policy.begin_call()
         elif name == ADAPTIVE_TRANSIENT_SCHEDULE:
             self.policy = AdaptiveDraftPolicy(num_draft_tokens)
         elif name in (HEURISTIC_SCHEDULE, HEURISTIC_TRANSIENT_SCHEDULE):

@@ -3,7 +3,6 @@ generate()."""
 
 import copy
 import gc
-import math
 import pickle
 import subprocess
 import sys
@@ -152,6 +151,36 @@ def test_probes_that_pay_shorten_the_wait_until_the_window_turns():
     assert probes[2:] == list(range(probes[2], waiting + 400))
 
 
+def test_a_step_whose_drafts_were_all_cut_gets_no_benefit_of_the_doubt():
+    """Its one token was certain: a drafter forward that verified nothing loses at once (an untrained drafter on a
+    busy machine drafted every step and verified nothing, while the doubt a coin flip deserves kept it on), where a
+    step that verified its draft and lost it keeps drafting for a few steps."""
+    cut, rejected = AdaptiveDraftPolicy(max_draft=7), AdaptiveDraftPolicy(max_draft=7)
+    for policy in (cut, rejected):
+        policy.record(_step(proposed=0, accepted=0, seconds=1.0))
+    cut.record(_step(proposed=0, accepted=0, seconds=1.0, draft=0.1, confidences=[0.01] * 7))
+    rejected.record(_step(proposed=1, accepted=0, seconds=1.0, draft=0.1, confidences=[0.01] * 7))
+    assert (cut.plain_steps_left, cut.backoff) == (1, 4)
+    assert (rejected.plain_steps_left, rejected.backoff) == (0, 1)
+
+
+def test_a_new_call_drafts_again_when_drafting_paid_over_the_calls_so_far():
+    """What text a call decodes decides how well a drafter does: a drafter that paid over its drafted steps starts
+    the next call drafting, with an empty window, however the last call ended; one that never paid keeps its wait."""
+    winning = _step(proposed=1, accepted=1, seconds=1.0, draft=0.2, confidences=[0.9])
+    losing = _step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.5])
+    paid, never_paid = AdaptiveDraftPolicy(max_draft=1), AdaptiveDraftPolicy(max_draft=1)
+    _decode(paid, 100, winning)  # 2 tokens per 1.2 s over 100 steps, then a hard stretch
+    for policy in (paid, never_paid):
+        _decode(policy, 200, losing)
+        assert policy.backoff > 16 and policy.plain_steps_left > 0
+        waiting = (policy.backoff, policy.plain_steps_left)
+        policy.begin_call()
+    assert (paid.backoff, paid.plain_steps_left, len(paid.recent_drafted_steps)) == (1, 0, 0)
+    assert (never_paid.backoff, never_paid.plain_steps_left) == waiting
+    assert paid.should_draft() and not never_paid.should_draft()
+
+
 def test_sequential_drafting_stops_when_the_next_draft_does_not_pay():
     policy = AdaptiveDraftPolicy(max_draft=4)
     assert policy.keep_drafting([0.01])  # nothing timed yet: draft on
@@ -248,8 +277,7 @@ def test_adaptive_carries_what_it_learned_to_the_next_call_per_setting(tiny_targ
     """Drafting loses every time here (so the backoff is the same on a busy machine): after a 30-token call, the
     next one starts in the 64-step backoff it left and never drafts, where a fresh start (adaptive_transient, another
     temperature, a reset) probes at decoding steps 1 and 3."""
-    monkeypatch.setattr(AdaptiveDraftPolicy, "_drafting_pays", lambda self: False)
-    monkeypatch.setattr(AdaptiveDraftPolicy, "_plain_rate", lambda self: math.inf)
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_pays", lambda self, tokens, cost: False)
     drafter = _untrained(tiny_target, "adaptive")
     prompt = torch.randint(3, tiny_target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
     assert _drafted_steps(tiny_target, drafter, prompt, 30) >= 3
@@ -270,8 +298,7 @@ def test_adaptive_carries_what_it_learned_to_the_next_call_per_setting(tiny_targ
 def test_a_call_the_schedule_would_decode_plainly_runs_plain_decodings_loop(tiny_target, monkeypatch):
     """Once what "adaptive" learned skips more steps than a call has, the call is plain decoding's own (no assisted
     loop, no drafter forward) and counts against the backoff; the call that reaches the probe drafts again."""
-    monkeypatch.setattr(AdaptiveDraftPolicy, "_drafting_pays", lambda self: False)
-    monkeypatch.setattr(AdaptiveDraftPolicy, "_plain_rate", lambda self: math.inf)
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_pays", lambda self, tokens, cost: False)
     drafter = _untrained(tiny_target, "adaptive")
     prompt = torch.randint(3, tiny_target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
     _drafted_steps(tiny_target, drafter, prompt, 30)
