@@ -4,7 +4,13 @@ import math
 
 import pytest
 
-from hf_hyperdflash.evaluation.paired import default_tau_ratio_pairs, paired_tau_ratio, pooled
+from hf_hyperdflash.evaluation.paired import (
+    default_tau_ratio_pairs,
+    paired_speed_ratio,
+    paired_tau_ratio,
+    pooled,
+    schedule_pairs,
+)
 from hf_hyperdflash.evaluation.runner import MethodResult
 
 
@@ -89,3 +95,32 @@ def test_default_pairs_put_hyperdflash_over_every_other_speculative_method():
     names = ["plain", "mtp-k1", "vanilla_dflash", "hyperdflash"]
     assert default_tau_ratio_pairs(names) == [("hyperdflash", "mtp-k1"), ("hyperdflash", "vanilla_dflash")]
     assert default_tau_ratio_pairs(["plain", "mtp-k1"]) == []
+
+
+def _speeds(name: str, speed_ratios: list[float]) -> MethodResult:
+    result = MethodResult(name=name, prompts=len(speed_ratios))
+    result.speed_ratios = speed_ratios
+    return result
+
+
+def test_the_speed_ratio_is_the_median_of_per_prompt_ratios_and_pairing_removes_shared_noise():
+    # Every prompt is 2% faster under `a`, while the machine moves both by -30% .. +30% from prompt to prompt
+    machine = [0.7, 1.3, 0.9, 1.1, 1.0, 0.8, 1.2, 0.95]
+    a = _speeds("a", [1.02 * m for m in machine])
+    b = _speeds("b", machine)
+    ratio = paired_speed_ratio(a, b)
+    assert (ratio.ratio, ratio.low, ratio.high) == pytest.approx((1.02, 1.02, 1.02))
+    noisy = paired_speed_ratio(_speeds("c", [1.1, 0.9, 1.05, 0.97, 1.0, 1.02]), _speeds("d", [1.0] * 6), seed=1)
+    assert noisy.ratio == pytest.approx(1.01) and noisy.low < 1.0 < noisy.high and noisy.prompts == 6
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_speed_ratio(_speeds("a", [1.0, 1.0]), _speeds("b", [1.0]))
+
+
+def test_schedule_pairs_put_each_drafters_default_schedule_over_its_others():
+    names = ["plain", "mtp-k1", "hyperdflash", "mtp-k1-constant", "hyperdflash-heuristic", "hyperdflash-constant"]
+    names += ["untrained-constant"]  # no default-schedule run to compare with
+    assert schedule_pairs(names) == [
+        ("mtp-k1", "mtp-k1-constant"),
+        ("hyperdflash", "hyperdflash-heuristic"),
+        ("hyperdflash", "hyperdflash-constant"),
+    ]

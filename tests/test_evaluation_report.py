@@ -130,6 +130,19 @@ def test_a_side_joined_with_plus_pools_its_methods(results):
     assert ratio.ratio == pytest.approx((19 + 10 + 7) / 7 / 2.5)  # 29 drafts accepted over 7 verify steps
 
 
+def test_each_schedule_of_a_drafter_is_compared_by_speed_on_the_same_prompts(results, tmp_path):
+    constant = _result("mtp-k3-constant", [3, 3, 3, 3], [3, 3, 3, 3])
+    constant.speed_ratios = [1.0, 2.0]  # mtp-k3: 1.5 and 2.5, so 1.5 and 1.25 per prompt
+    greedy = SettingResult(results[0].setting, [*results[0].methods, constant])
+    markdown = write_report([greedy], RUN | {"methods": [m.name for m in greedy.methods]}, tmp_path)
+    assert "Schedules on the same prompts" in markdown
+    _, rows = _first_table(markdown, "| ratio | speed ratio |")
+    assert list(rows) == ["mtp-k3 / mtp-k3-constant"] and rows["mtp-k3 / mtp-k3-constant"][1] == "1.38"
+    (ratio,) = json.loads((tmp_path / REPORT_FILES["json"]).read_text())["settings"][0]["schedule_speed_ratios"]
+    assert (ratio["numerator"], ratio["denominator"]) == ("mtp-k3", "mtp-k3-constant")
+    assert ratio["ratio"] == pytest.approx(1.375) and 1.25 <= ratio["low"] <= ratio["high"] <= 1.5
+
+
 def test_acceptance_plot_is_a_png(results, tmp_path):
     write_report(results, RUN, tmp_path)
     png = (tmp_path / REPORT_FILES["plot"]).read_bytes()

@@ -1,4 +1,5 @@
-"""How sure a tau comparison is: the ratio of two methods' tau on the same prompts, with a bootstrap interval.
+"""How sure a comparison is: the ratio of two methods' tau, or of their speed, on the same prompts, with a bootstrap
+interval.
 
 tau pools every verify step of a run, so it is a ratio of sums over prompts (long replies weigh more). The
 interval resamples whole prompts, both methods together: the statistic keeps its pooling, and the pairing removes
@@ -6,6 +7,10 @@ the prompt-to-prompt spread that both methods share (an easy prompt is easy for 
 The interval covers prompt noise only, not the seed-to-seed spread of training a drafter again. To compare recipes
 rather than single training runs, pool the drafters of several seeds into one side (`pooled`): their verify steps
 add up per prompt, and a resampled prompt brings all of its seeds along.
+
+Speed is compared between draft schedules of one drafter (`schedule_pairs`): the median over prompts of the
+per-prompt ratio of their speedups over plain decoding. Timings on a shared machine scatter by 10% and more from one
+repeat to the next, so a 2% difference between two schedules needs its interval before it means anything.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import DegenerateDataWarning, bootstrap
 
+from ..modeling.draft_options import DEFAULT_SCHEDULE, SCHEDULES
 from .options import POOL_SEPARATOR  # the --tau-ratio pooling syntax, readable by --help without torch
 from .runner import MethodResult
 
 
 @dataclass(frozen=True)
-class TauRatio:
-    """tau(numerator) / tau(denominator) on the same prompts; NaN where undefined (no verify steps, one prompt)."""
+class PairedRatio:
+    """numerator / denominator (of tau, or of speed) on the same prompts, with its interval; NaN where undefined
+    (no verify steps, one prompt)."""
 
     numerator: str
     denominator: str
@@ -79,7 +86,14 @@ def _tau_ratio(
         return tau_a / tau_b
 
 
-def _interval(samples: tuple[np.ndarray, ...], confidence: float, resamples: int, seed: int) -> tuple[float, float]:
+def _median_speed_ratio(speedups_a: np.ndarray, speedups_b: np.ndarray, axis: int = -1) -> np.ndarray:
+    """The median over prompts of a's speedup over b's on each prompt."""
+    return np.median(speedups_a / speedups_b, axis=axis)
+
+
+def _interval(
+    samples: tuple[np.ndarray, ...], statistic, confidence: float, resamples: int, seed: int
+) -> tuple[float, float]:
     """BCa interval (better coverage than percentile at 10-20 prompts); percentile where BCa is undefined, e.g.
     when every resample gives the same ratio."""
     for method in ("BCa", "percentile"):
@@ -87,7 +101,7 @@ def _interval(samples: tuple[np.ndarray, ...], confidence: float, resamples: int
             warnings.simplefilter("ignore", DegenerateDataWarning)
             interval = bootstrap(
                 samples,
-                _tau_ratio,
+                statistic,
                 paired=True,
                 vectorized=True,
                 confidence_level=confidence,
@@ -106,7 +120,7 @@ def paired_tau_ratio(
     confidence: float = 0.95,
     resamples: int = 10_000,
     seed: int = 0,
-) -> TauRatio:
+) -> PairedRatio:
     """tau(numerator) / tau(denominator) and its bootstrap interval over prompts, both methods resampled together."""
     samples = (*_per_prompt(numerator), *_per_prompt(denominator))
     prompts = len(samples[0])
@@ -118,8 +132,8 @@ def paired_tau_ratio(
     ratio = float(_tau_ratio(*samples)) if prompts else math.nan
     low, high = math.nan, math.nan
     if prompts >= 2 and math.isfinite(ratio):
-        low, high = _interval(samples, confidence, resamples, seed)
-    return TauRatio(numerator.name, denominator.name, ratio, low, high, confidence, prompts)
+        low, high = _interval(samples, _tau_ratio, confidence, resamples, seed)
+    return PairedRatio(numerator.name, denominator.name, ratio, low, high, confidence, prompts)
 
 
 def default_tau_ratio_pairs(method_names: list[str], candidate: str = "hyperdflash") -> list[tuple[str, str]]:
@@ -127,3 +141,37 @@ def default_tau_ratio_pairs(method_names: list[str], candidate: str = "hyperdfla
     if candidate not in method_names:
         return []
     return [(candidate, name) for name in method_names[1:] if name != candidate]
+
+
+def paired_speed_ratio(
+    numerator: MethodResult,
+    denominator: MethodResult,
+    confidence: float = 0.95,
+    resamples: int = 10_000,
+    seed: int = 0,
+) -> PairedRatio:
+    """The median over prompts of numerator's speed over denominator's, and its bootstrap interval over prompts."""
+    samples = tuple(np.array(method.speed_ratios, dtype=np.float64) for method in (numerator, denominator))
+    prompts = len(samples[0])
+    if len(samples[1]) != prompts:
+        raise ValueError(
+            f"{numerator.name!r} has speeds on {prompts} prompts and {denominator.name!r} on {len(samples[1])}; a "
+            "paired ratio needs both methods on the same prompts (one `run_methods` call)."
+        )
+    ratio = float(_median_speed_ratio(*samples)) if prompts else math.nan
+    low, high = math.nan, math.nan
+    if prompts >= 2:
+        low, high = _interval(samples, _median_speed_ratio, confidence, resamples, seed)
+    return PairedRatio(numerator.name, denominator.name, ratio, low, high, confidence, prompts)
+
+
+def schedule_pairs(method_names: list[str]) -> list[tuple[str, str]]:
+    """(NAME, NAME-schedule) for every method run under the default schedule and another one (`build_methods`'
+    names)."""
+    names = set(method_names)
+    return [
+        (name, f"{name}-{schedule}")
+        for name in method_names
+        for schedule in SCHEDULES
+        if schedule != DEFAULT_SCHEDULE and f"{name}-{schedule}" in names
+    ]

@@ -7,8 +7,9 @@ per generated token, then the speed of the method's later calls, those after its
 and speedup (median over prompts of tokens/s over plain decoding's); "1st call" is the first call's speedup over
 plain decoding's first call, where a schedule that keeps what it learned across calls starts from nothing; and
 lossless (greedy outputs token-identical to plain decoding, N/N prompts). A second table gives the tau ratios of
-the pairs in `run["tau_ratios"]` with paired bootstrap intervals over prompts; a third splits the mean verify step
-into drafting, the target's verify forward, the cache rollback and the rest.
+the pairs in `run["tau_ratios"]` with paired bootstrap intervals over prompts; a third each drafter's default schedule
+against its others by speed on the same prompts; a fourth splits the mean verify step into drafting, the target's
+verify forward, the cache rollback and the rest.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import transformers
 
 from .harness import SettingResult
-from .paired import TauRatio, paired_tau_ratio, pool_members, pooled
+from .paired import PairedRatio, paired_speed_ratio, paired_tau_ratio, pool_members, pooled, schedule_pairs
 from .runner import LATENCY_PARTS, MethodResult, finite_or_none
 
 REPORT_FILES = {"markdown": "report.md", "json": "results.json", "plot": "acceptance.png"}
@@ -86,7 +87,7 @@ def _method_table(results: list[MethodResult]) -> list[str]:
     return lines
 
 
-def tau_ratios(result: SettingResult, pairs: list[tuple[str, str]]) -> list[TauRatio]:
+def tau_ratios(result: SettingResult, pairs: list[tuple[str, str]]) -> list[PairedRatio]:
     """The paired tau ratio of each (numerator, denominator) pair in this setting; a side "a+b" pools methods."""
     by_name = {method.name: method for method in result.methods}
 
@@ -96,8 +97,15 @@ def tau_ratios(result: SettingResult, pairs: list[tuple[str, str]]) -> list[TauR
     return [paired_tau_ratio(side(numerator), side(denominator)) for numerator, denominator in pairs]
 
 
-def _ratio_table(ratios: list[TauRatio]) -> list[str]:
-    lines = [f"| ratio | tau ratio | {100 * ratios[0].confidence:g}% CI |", "|---|---|---|"]
+def schedule_speed_ratios(result: SettingResult) -> list[PairedRatio]:
+    """Each method's default schedule against its other schedules in this setting, by speed on the same prompts."""
+    by_name = {method.name: method for method in result.methods}
+    pairs = schedule_pairs([method.name for method in result.methods])
+    return [paired_speed_ratio(by_name[default], by_name[other]) for default, other in pairs]
+
+
+def _ratio_table(ratios: list[PairedRatio], quantity: str = "tau") -> list[str]:
+    lines = [f"| ratio | {quantity} ratio | {100 * ratios[0].confidence:g}% CI |", "|---|---|---|"]
     for ratio in ratios:
         interval = "–" if math.isnan(ratio.low) else f"{ratio.low:.2f}–{ratio.high:.2f}"
         lines.append(f"| {ratio.label} | {_number(ratio.ratio)} | {interval} |")
@@ -116,8 +124,14 @@ def _latency_table(results: list[MethodResult]) -> list[str]:
     return lines
 
 
-def markdown_report(results: list[SettingResult], run: dict, ratios: list[list[TauRatio]]) -> str:
-    """The report as Markdown: how it was run, then per setting the method, tau-ratio and latency tables."""
+def markdown_report(
+    results: list[SettingResult],
+    run: dict,
+    ratios: list[list[PairedRatio]],
+    speed_ratios: list[list[PairedRatio]],
+) -> str:
+    """The report as Markdown: how it was run, then per setting the method, tau-ratio, schedule and latency
+    tables."""
     machine = run["machine"]
     drafters = ", ".join(f"{name} ({path})" for name, path in run["drafters"].items())
     lines = [
@@ -136,12 +150,19 @@ def markdown_report(results: list[SettingResult], run: dict, ratios: list[list[T
     ]
     if run["notes"]:
         lines += ["", "Notes:", *(f"- {note}" for note in run["notes"])]
-    for result, setting_ratios in zip(results, ratios, strict=True):
+    for result, setting_ratios, schedule_ratios in zip(results, ratios, speed_ratios, strict=True):
         plain = result.methods[0]
         lines += ["", f"## {result.setting.label} ({plain.prompts} prompts)", "", *_method_table(result.methods)]
         if setting_ratios:
             lines += ["", "Paired tau ratios (BCa bootstrap interval over prompts, both methods resampled together):"]
             lines += ["", *_ratio_table(setting_ratios)]
+        if schedule_ratios:
+            lines += [
+                "",
+                "Schedules on the same prompts: the median over prompts of one schedule's speedup over the other's "
+                "(later calls; bootstrap interval over prompts):",
+            ]
+            lines += ["", *_ratio_table(schedule_ratios, quantity="speed")]
         if any(method.latency_ms for method in result.methods):
             plain_ms = 1000 / plain.median_tokens_per_second
             lines += ["", f"Mean verify step (ms, share); plain decoding: {plain_ms:.2f} ms per token.", ""]
@@ -152,12 +173,17 @@ def markdown_report(results: list[SettingResult], run: dict, ratios: list[list[T
     return "\n".join(lines)
 
 
-def _ratio_json(ratio: TauRatio) -> dict:
+def _ratio_json(ratio: PairedRatio) -> dict:
     fields = dataclasses.asdict(ratio)
     return {key: finite_or_none(value) if isinstance(value, float) else value for key, value in fields.items()}
 
 
-def results_json(results: list[SettingResult], run: dict, ratios: list[list[TauRatio]]) -> dict:
+def results_json(
+    results: list[SettingResult],
+    run: dict,
+    ratios: list[list[PairedRatio]],
+    speed_ratios: list[list[PairedRatio]],
+) -> dict:
     return {
         "run": run,
         "settings": [
@@ -167,8 +193,9 @@ def results_json(results: list[SettingResult], run: dict, ratios: list[list[TauR
                 "thinking": r.setting.thinking,
                 "methods": [method.as_dict() for method in r.methods],
                 "tau_ratios": [_ratio_json(ratio) for ratio in setting_ratios],
+                "schedule_speed_ratios": [_ratio_json(ratio) for ratio in schedule_ratios],
             }
-            for r, setting_ratios in zip(results, ratios, strict=True)
+            for r, setting_ratios, schedule_ratios in zip(results, ratios, speed_ratios, strict=True)
         ],
     }
 
@@ -207,9 +234,10 @@ def write_report(results: list[SettingResult], run: dict, output_dir: str | Path
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     ratios = [tau_ratios(result, run["tau_ratios"]) for result in results]
-    markdown = markdown_report(results, run, ratios)
+    speed_ratios = [schedule_speed_ratios(result) for result in results]
+    markdown = markdown_report(results, run, ratios, speed_ratios)
     (output_dir / REPORT_FILES["markdown"]).write_text(markdown)
-    data = results_json(results, run, ratios)
+    data = results_json(results, run, ratios, speed_ratios)
     (output_dir / REPORT_FILES["json"]).write_text(json.dumps(data, indent=1, allow_nan=False))
     plot_acceptance(results, output_dir / REPORT_FILES["plot"])
     return markdown
