@@ -45,13 +45,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from hf_hyperdflash import HyperDFlashForDrafting, reference
 from hf_hyperdflash.evaluation.prompts import chat_prompt_ids, held_out_prompts
-from hf_hyperdflash.evaluation.runner import MethodResult
+from hf_hyperdflash.evaluation.runner import Method, MethodResult, Session, drafting_settings
 from hf_hyperdflash.modeling.draft_options import SCHEDULES
-from hf_hyperdflash.modeling.draft_policy import ScheduleMemory, schedule_memory_of
 from hf_hyperdflash.testing import OracleProposer, chi_square_p_value, oracle_drafting, tiny_deepseek_v4
 
 UNTRAINED, ORACLE = "untrained-hyperdflash", "oracle"
-SESSIONS: defaultdict[str, ScheduleMemory] = defaultdict(ScheduleMemory)  # by method: what its schedule learned
+SESSIONS: defaultdict[str, Session] = defaultdict(Session)  # by method: what its schedule kept between calls
 
 
 def load_target(choice: str) -> tuple[PreTrainedModel, str]:
@@ -83,12 +82,11 @@ def method_names(schedules: list[str]) -> list[str]:
 
 @contextmanager
 def drafting(name: str, drafter, reference_ids: torch.LongTensor, corruption: float, seed: int):
-    """The context a method runs in: its schedule and what that schedule learned in the method's earlier calls
-    (the two drafters share one instance, and the oracle must not inherit the untrained drafter's "drafting
-    loses"), and for the oracle its proposals (a corrupted `reference_ids`)."""
+    """The context a method runs in: its schedule and what that schedule kept from the method's earlier calls (the
+    two drafters share one instance: the oracle must not inherit the untrained drafter's "drafting loses" or its
+    heuristic draft length), and for the oracle its proposals (a corrupted `reference_ids`)."""
     kind, schedule = name.removesuffix(")").split(" (")
-    drafter.generation_config.num_assistant_tokens_schedule = schedule
-    with schedule_memory_of(drafter, SESSIONS[name]):
+    with drafting_settings(Method(name, drafter, schedule=schedule), SESSIONS[name]):
         if kind == ORACLE:
             with oracle_drafting(OracleProposer(drafter.config.vocab_size, reference_ids, corruption, seed=seed)):
                 yield

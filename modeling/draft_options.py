@@ -27,8 +27,9 @@ SCHEDULES = (
     HEURISTIC_TRANSIENT_SCHEDULE,
     CONSTANT_SCHEDULE,
 )
-# A chat session makes many calls with one drafter: carried over, a call skips the probes its predecessors already
-# paid, and short calls gain most (docs/results.md, "Adaptive draft length"). "adaptive_transient" repeats a call's
+# A chat session makes many calls with one drafter: carried over, a call starts from the calibration and costs its
+# predecessors learned, and a drafter that does not pay is not probed again in every call; short calls gain most
+# (docs/results.md, "Adaptive draft length"). "adaptive_transient" repeats a call's
 # draft lengths, and so its sampled tokens under a fixed seed, only as far as its timings repeat.
 DEFAULT_SCHEDULE = ADAPTIVE_SCHEDULE
 

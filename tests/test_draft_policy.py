@@ -151,17 +151,23 @@ def test_probes_that_pay_shorten_the_wait_until_the_window_turns():
     assert probes[2:] == list(range(probes[2], waiting + 400))
 
 
-def test_a_step_whose_drafts_were_all_cut_gets_no_benefit_of_the_doubt():
-    """Its one token was certain: a drafter forward that verified nothing loses at once (an untrained drafter on a
-    busy machine drafted every step and verified nothing, while the doubt a coin flip deserves kept it on), where a
-    step that verified its draft and lost it keeps drafting for a few steps."""
-    cut, rejected = AdaptiveDraftPolicy(max_draft=7), AdaptiveDraftPolicy(max_draft=7)
-    for policy in (cut, rejected):
+def test_a_step_whose_drafts_were_all_cut_is_one_certain_token_in_the_window():
+    """A drafter forward that verified nothing brought one token for sure: alone in the window it loses at once (an
+    untrained drafter on a busy machine drafted every step and verified nothing, while the doubt a coin flip
+    deserves kept it on), where a step that verified its draft and lost it keeps drafting for a few steps; among
+    steps that paid, one cut step is outweighed, not a loss that starts a wait."""
+    cut, rejected, paying = (AdaptiveDraftPolicy(max_draft=7) for _ in range(3))
+    for policy in (cut, rejected, paying):
         policy.record(_step(proposed=0, accepted=0, seconds=1.0))
-    cut.record(_step(proposed=0, accepted=0, seconds=1.0, draft=0.1, confidences=[0.01] * 7))
+    for _ in range(8):
+        paying.record(_step(proposed=3, accepted=3, seconds=1.0, draft=0.2, confidences=[0.9] * 7))
+    cut_step = _step(proposed=0, accepted=0, seconds=1.0, draft=0.1, confidences=[0.01] * 7)
+    cut.record(cut_step)
+    paying.record(cut_step)
     rejected.record(_step(proposed=1, accepted=0, seconds=1.0, draft=0.1, confidences=[0.01] * 7))
     assert (cut.plain_steps_left, cut.backoff) == (1, 4)
     assert (rejected.plain_steps_left, rejected.backoff) == (0, 1)
+    assert (paying.plain_steps_left, paying.backoff) == (0, 1)
 
 
 def test_a_new_call_drafts_again_when_drafting_paid_over_the_calls_so_far():
@@ -469,6 +475,14 @@ def test_call_schedule_picks_the_policy_and_keeps_what_it_learned():
     adaptive.policy.backoff = 4
     adaptive.finish()
     assert call("adaptive").policy.backoff == 4 and call("adaptive_transient").policy.backoff == 1
+    paid = call("adaptive")  # a wait after drafted steps that ran faster than plain ones: the next call drafts
+    paid.policy.long_run_speed.add(1.2)
+    paid.policy.backoff, paid.policy.plain_steps_left = 16, 16
+    paid.finish()
+    assert (call("adaptive").policy.backoff, call("adaptive").policy.plain_steps_left) == (1, 0)
+    paid.policy.long_run_speed.add(0.2)  # 0.7 on average: the wait carries over
+    paid.finish()
+    assert (call("adaptive").policy.backoff, call("adaptive").policy.plain_steps_left) == (16, 16)
     assert call("adaptive", 5).policy.backoff == 1  # another draft length: another setting
     drafter.generation_config.assistant_confidence_threshold = 0.3
     assert call("constant").threshold.threshold == 0.3

@@ -10,7 +10,7 @@ import torch
 import hf_hyperdflash  # noqa: F401  (generate() integration)
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.evaluation.harness import Setting, SettingResult
-from hf_hyperdflash.evaluation.runner import Method, Session, _drafting_settings, run_methods
+from hf_hyperdflash.evaluation.runner import Method, Session, drafting_settings, run_methods
 from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
 from hf_hyperdflash.modeling.draft_policy import reset_draft_schedule, schedule_memory
 from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
@@ -175,13 +175,13 @@ def test_a_method_resumes_the_draft_length_and_learned_state_its_last_call_left(
     own_memory = schedule_memory(drafter)
     heuristic, adaptive = Session(), Session()
     method = Method("hdf-heuristic", drafter, schedule="heuristic")
-    with _drafting_settings(method, heuristic):
+    with drafting_settings(method, heuristic):
         assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (3, "heuristic")
         config.num_assistant_tokens = 1  # what the call's heuristic schedule leaves
     assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (3, "adaptive")
-    with _drafting_settings(method, heuristic):
+    with drafting_settings(method, heuristic):
         assert config.num_assistant_tokens == 1
-    with _drafting_settings(Method("hdf", drafter), adaptive):
+    with drafting_settings(Method("hdf", drafter), adaptive):
         assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (3, "adaptive")
         assert schedule_memory(drafter) is adaptive.memory
         target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=3)

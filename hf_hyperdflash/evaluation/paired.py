@@ -92,11 +92,17 @@ def _median_speed_ratio(speedups_a: np.ndarray, speedups_b: np.ndarray, axis: in
 
 
 def _interval(
-    samples: tuple[np.ndarray, ...], statistic, confidence: float, resamples: int, seed: int
+    samples: tuple[np.ndarray, ...],
+    statistic,
+    confidence: float,
+    resamples: int,
+    seed: int,
+    methods: tuple[str, ...] = ("BCa", "percentile"),
 ) -> tuple[float, float]:
-    """BCa interval (better coverage than percentile at 10-20 prompts); percentile where BCa is undefined, e.g.
-    when every resample gives the same ratio."""
-    for method in ("BCa", "percentile"):
+    """The first of scipy's bootstrap `methods` that gives a finite interval: BCa has better coverage than
+    percentile at 10-20 prompts for a smooth statistic such as a pooled tau, and is undefined when every resample
+    gives the same ratio; its jackknife misleads for a median, which takes the percentile interval."""
+    for method in methods:
         with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):  # NaN: try the next
             warnings.simplefilter("ignore", DegenerateDataWarning)
             interval = bootstrap(
@@ -161,7 +167,7 @@ def paired_speed_ratio(
     ratio = float(_median_speed_ratio(*samples)) if prompts else math.nan
     low, high = math.nan, math.nan
     if prompts >= 2:
-        low, high = _interval(samples, _median_speed_ratio, confidence, resamples, seed)
+        low, high = _interval(samples, _median_speed_ratio, confidence, resamples, seed, methods=("percentile",))
     return PairedRatio(numerator.name, denominator.name, ratio, low, high, confidence, prompts)
 
 

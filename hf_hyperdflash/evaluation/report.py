@@ -160,7 +160,7 @@ def markdown_report(
             lines += [
                 "",
                 "Schedules on the same prompts: the median over prompts of one schedule's speedup over the other's "
-                "(later calls; bootstrap interval over prompts):",
+                "(later calls; percentile bootstrap interval over prompts):",
             ]
             lines += ["", *_ratio_table(schedule_ratios, quantity="speed")]
         if any(method.latency_ms for method in result.methods):

@@ -188,7 +188,7 @@ class Session:
 
 
 @contextmanager
-def _drafting_settings(method: Method, session: Session) -> Iterator[None]:
+def drafting_settings(method: Method, session: Session) -> Iterator[None]:
     """The method's draft length, schedule and learned state on its drafter for one call, the drafter's own again
     after it (methods may share a drafter)."""
     if method.drafter is None:
@@ -231,7 +231,7 @@ def _decode(
     """One timed `generate` call: (output ids, seconds, generation stats)."""
     assistant = {"assistant_model": method.drafter} if method.drafter is not None else {}
     context = method.context(input_ids) if method.context is not None else nullcontext()
-    with _drafting_settings(method, session), context, _counting_forwards(target) as forwards:
+    with drafting_settings(method, session), context, _counting_forwards(target) as forwards:
         torch.manual_seed(seed)
         start = synchronized_clock()
         output = target.generate(input_ids, **assistant, **method.generate_options, **settings)
