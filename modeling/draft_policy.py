@@ -338,11 +338,13 @@ class AdaptiveDraftPolicy(DraftPolicy):
         is still caught within a few steps. Their seconds count by the median: one slow step (a first call's
         one-off costs, a busy machine) stays in the window until 16 probes replace it."""
         window = self.recent_drafted_steps
+        tokens = statistics.fmean(step.tokens for step in window)
+        seconds = statistics.median(step.seconds for step in window)
+        if self._pays(tokens, seconds):  # most steps of a drafter that pays: no doubt to weigh (stdev is slow)
+            return True
         verified = [step.tokens for step in window if step.verified > 1]
         spread = max(statistics.stdev(verified) if len(verified) > 1 else 0.0, 0.5)
-        optimistic_tokens = statistics.fmean(step.tokens for step in window)
-        optimistic_tokens += 2 * spread * math.sqrt(len(verified)) / len(window)
-        return self._pays(optimistic_tokens, statistics.median(step.seconds for step in window))
+        return self._pays(tokens + 2 * spread * math.sqrt(len(verified)) / len(window), seconds)
 
     def record(self, step: StepRecord) -> None:
         self.costs.record(step)
