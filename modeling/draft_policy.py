@@ -10,7 +10,7 @@ of the drafter and of target forwards over 1..k+1 tokens: on a CPU a longer veri
 same, so no cost is assumed. When drafting loses to plain decoding, steps decode plainly with no drafter forward,
 and a probe drafts again after a backoff that grows fourfold while probes keep losing; a call that
 would decode plainly from start to end runs plain decoding's own loop. Under "adaptive" what it learned
-(calibration, costs, how drafted steps fared against plain ones) carries over to the drafter's next call with the
+(calibration, costs, how drafted steps fared) carries over to the drafter's next call with the
 same target and setting (`ScheduleMemory`), and so does a wait unless drafting paid over the calls so far (how well a
 drafter does depends on the text); "adaptive_transient" learns from nothing in every call.
 
@@ -258,19 +258,22 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.calibration = AcceptanceCalibration()
         self.costs = StepCosts()
         self.recent_drafted_steps: deque[DraftedStep] = deque(maxlen=self.drafting_window)
-        self.long_run_speed = FadingMean(self.long_run_horizon)  # of drafted steps, over plain steps' when timed
+        self.long_run_tokens = FadingMean(self.long_run_horizon)  # per drafted step
+        self.long_run_seconds = FadingMean(self.long_run_horizon)
         self.backoff = 1
         self.plain_steps_left = 0
 
     def begin_call(self) -> None:
         """A call carried over from earlier ones decodes new text. How well a drafter does depends on the text
         (native MTP k=1 here: 0.66x to 1.7x of plain decoding by prompt), so when the drafted steps of the calls so
-        far (about the last 512) ran at plain decoding's speed or faster, less the margin, the call starts drafting
-        with an empty window, however the last call ended; a drafter that never paid (an untrained one) keeps its
-        wait, and later calls cost no probes. Drafted steps weigh alike wherever they fall, so a drafter that
-        paid in long stretches and lost in short ones counts as paying: starting to draft when it is wrong costs
-        the few steps the window takes to turn."""
-        if self.long_run_speed.count and self.long_run_speed.value >= 1.0 - self.break_even_margin:
+        far (about the last 512) ran at plain steps' speed or faster, less the margin, the call starts drafting with
+        an empty window, however the last call ended; a drafter that never paid (an untrained one) keeps its wait,
+        and later calls cost no probes. They are judged against plain steps as timed now, not when they ran: a
+        first call drafts before it has timed a plain step, and the line's guess then (a one-token verify as
+        costly as the longest) made the shipped drafter at T=1 look 40% cheaper than it is. Drafted steps weigh
+        alike wherever they fall, so a drafter that paid in long stretches and lost in short ones counts as
+        paying: starting to draft when it is wrong costs the few steps the window takes to turn."""
+        if self.long_run_tokens.count and self._pays(self.long_run_tokens.value, self.long_run_seconds.value):
             self.recent_drafted_steps.clear()
             self.backoff, self.plain_steps_left = 1, 0
 
@@ -318,16 +321,12 @@ class AdaptiveDraftPolicy(DraftPolicy):
         deeper = totals[depth + 1] / (seconds[depth + 1] + self.costs.draft_seconds(depth + 1))
         return deeper >= now
 
-    def _speed(self, tokens: float, seconds: float) -> float:
-        """`tokens` per step in `seconds`, over plain steps' tokens per second."""
-        return tokens / seconds * self.costs.plain_step_seconds()
-
     def _pays(self, tokens: float, seconds: float) -> bool:
         """Whether `tokens` per step in `seconds` beat plain steps less `break_even_margin`: a drafter within it of
         break-even keeps drafting. Switching it off costs more than the margin: every skipped step still runs in
         the assisted loop, each probe catches up on the skipped context (native MTP k=1's probes measured 13%
         slower than its steps while it drafted every step), and a long wait takes many probes to end."""
-        return self._speed(tokens, seconds) >= 1.0 - self.break_even_margin
+        return tokens / seconds * self.costs.plain_step_seconds() >= 1.0 - self.break_even_margin
 
     def _drafting_pays(self) -> bool:
         """Unless the recent drafted steps show drafting losing to plain steps beyond their noise: their mean tokens
@@ -354,7 +353,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
         drafted = DraftedStep(step.accepted + 1, step.proposed + 1, step.draft_seconds + step.other_seconds)
         probe = self.backoff > 1  # the first drafted step after a backoff
         self.recent_drafted_steps.append(drafted)
-        self.long_run_speed.add(self._speed(drafted.tokens, drafted.seconds))
+        self.long_run_tokens.add(drafted.tokens)
+        self.long_run_seconds.add(drafted.seconds)
         if self._drafting_pays():
             self.backoff = 1
             return

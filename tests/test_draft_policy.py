@@ -476,11 +476,14 @@ def test_call_schedule_picks_the_policy_and_keeps_what_it_learned():
     adaptive.finish()
     assert call("adaptive").policy.backoff == 4 and call("adaptive_transient").policy.backoff == 1
     paid = call("adaptive")  # a wait after drafted steps that ran faster than plain ones: the next call drafts
-    paid.policy.long_run_speed.add(1.2)
+    paid.policy.costs.record(_step(proposed=0, accepted=0, seconds=1.0))
+    paid.policy.long_run_tokens.add(3.0)
+    paid.policy.long_run_seconds.add(2.5)
     paid.policy.backoff, paid.policy.plain_steps_left = 16, 16
     paid.finish()
     assert (call("adaptive").policy.backoff, call("adaptive").policy.plain_steps_left) == (1, 0)
-    paid.policy.long_run_speed.add(0.2)  # 0.7 on average: the wait carries over
+    for _ in range(10):  # plain steps timed at half that since: the same drafted steps ran at 0.62x
+        paid.policy.costs.record(_step(proposed=0, accepted=0, seconds=0.5))
     paid.finish()
     assert (call("adaptive").policy.backoff, call("adaptive").policy.plain_steps_left) == (16, 16)
     assert call("adaptive", 5).policy.backoff == 1  # another draft length: another setting
