@@ -133,15 +133,19 @@ class StepCosts:
     bookkeeping): a line fitted to the lengths timed, each weighted by how often it was (up to 16 steps)."""
 
     max_weight = 16
+    plain_steps_kept = 32
 
     def __init__(self):
         self.drafter_forward = RunningMean()
         self.by_length: dict[int, RunningMean] = {}
+        self.recent_plain_steps: deque[float] = deque(maxlen=self.plain_steps_kept)  # one-token verifies, seconds
 
     def record(self, step: StepRecord) -> None:
         if step.drafter_forwards:
             self.drafter_forward.add(step.draft_seconds / step.drafter_forwards)
         self.by_length.setdefault(step.proposed + 1, RunningMean()).add(step.other_seconds)
+        if not step.proposed:
+            self.recent_plain_steps.append(step.other_seconds)
 
     def draft_seconds(self, forwards: int) -> float:
         return forwards * (self.drafter_forward.value or 0.0)
@@ -163,9 +167,12 @@ class StepCosts:
         return [max(intercept + slope * n, 1e-9) for n in range(1, longest + 1)]
 
     def plain_step_seconds(self) -> float | None:
-        """A step that skips drafting, as timed (else the line's one-token verify)."""
-        if 1 in self.by_length:
-            return self.by_length[1].value
+        """A step that skips drafting: the median of the last 32 timed (else the line's one-token verify). What
+        drafting is judged against must not follow one slow step: while a drafter drafts, no plain step is timed
+        to correct it, and an untrained drafter at T=1 then drafted through whole calls at 0.5x of plain decoding
+        after a few plain steps timed on a busy machine."""
+        if self.recent_plain_steps:
+            return statistics.median(self.recent_plain_steps)
         seconds = self.step_seconds_up_to(1)
         return seconds[0] if seconds else None
 

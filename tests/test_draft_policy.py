@@ -79,6 +79,16 @@ def test_step_costs_are_flat_from_one_length_and_a_line_from_several():
     assert falling.plain_step_seconds() == 2.0  # a skipped step as timed
 
 
+def test_a_plain_step_is_what_most_of_the_last_32_took():
+    """One slow plain step must not make drafting look cheap: while a drafter drafts, no plain step corrects it."""
+    costs = StepCosts()
+    for seconds in [1.0] * 20 + [5.0, 4.0] + [1.1] * 10:
+        costs.record(_step(proposed=0, accepted=0, seconds=seconds))
+    assert costs.plain_step_seconds() == 1.0
+    costs.record(_step(proposed=0, accepted=0, seconds=0.9, draft=0.3))  # a cut step verified one token too
+    assert len(costs.recent_plain_steps) == 32 and costs.recent_plain_steps[-1] == 0.9
+
+
 def test_every_length_reads_the_line_weighted_by_how_often_it_was_timed():
     costs = StepCosts()
     for _ in range(20):  # lengths 1 and 8, timed often, on the line 1 + (n - 1) / 7
