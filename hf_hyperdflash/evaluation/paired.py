@@ -120,6 +120,31 @@ def _interval(
     return math.nan, math.nan
 
 
+def _paired_ratio(
+    numerator: MethodResult,
+    denominator: MethodResult,
+    per_prompt: tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]],
+    statistic,
+    confidence: float,
+    resamples: int,
+    seed: int,
+    interval_methods: tuple[str, ...] = ("BCa", "percentile"),
+) -> PairedRatio:
+    """`statistic` of the two methods' per-prompt arrays, and its bootstrap interval resampling prompts of both."""
+    prompts, other = (len(arrays[0]) for arrays in per_prompt)
+    if other != prompts:
+        raise ValueError(
+            f"{numerator.name!r} has {prompts} prompts and {denominator.name!r} {other}; a paired ratio needs both "
+            "methods on the same prompts (one `run_methods` call)."
+        )
+    samples = (*per_prompt[0], *per_prompt[1])
+    ratio = float(statistic(*samples)) if prompts else math.nan
+    low, high = math.nan, math.nan
+    if prompts >= 2 and math.isfinite(ratio):
+        low, high = _interval(samples, statistic, confidence, resamples, seed, interval_methods)
+    return PairedRatio(numerator.name, denominator.name, ratio, low, high, confidence, prompts)
+
+
 def paired_tau_ratio(
     numerator: MethodResult,
     denominator: MethodResult,
@@ -128,18 +153,8 @@ def paired_tau_ratio(
     seed: int = 0,
 ) -> PairedRatio:
     """tau(numerator) / tau(denominator) and its bootstrap interval over prompts, both methods resampled together."""
-    samples = (*_per_prompt(numerator), *_per_prompt(denominator))
-    prompts = len(samples[0])
-    if len(samples[2]) != prompts:
-        raise ValueError(
-            f"{numerator.name!r} ran {prompts} prompts and {denominator.name!r} {len(samples[2])}; a paired ratio "
-            "needs both methods on the same prompts (one `run_methods` call)."
-        )
-    ratio = float(_tau_ratio(*samples)) if prompts else math.nan
-    low, high = math.nan, math.nan
-    if prompts >= 2 and math.isfinite(ratio):
-        low, high = _interval(samples, _tau_ratio, confidence, resamples, seed)
-    return PairedRatio(numerator.name, denominator.name, ratio, low, high, confidence, prompts)
+    per_prompt = (_per_prompt(numerator), _per_prompt(denominator))
+    return _paired_ratio(numerator, denominator, per_prompt, _tau_ratio, confidence, resamples, seed)
 
 
 def default_tau_ratio_pairs(method_names: list[str], candidate: str = "hyperdflash") -> list[tuple[str, str]]:
@@ -157,18 +172,10 @@ def paired_speed_ratio(
     seed: int = 0,
 ) -> PairedRatio:
     """The median over prompts of numerator's speed over denominator's, and its bootstrap interval over prompts."""
-    samples = tuple(np.array(method.speed_ratios, dtype=np.float64) for method in (numerator, denominator))
-    prompts = len(samples[0])
-    if len(samples[1]) != prompts:
-        raise ValueError(
-            f"{numerator.name!r} has speeds on {prompts} prompts and {denominator.name!r} on {len(samples[1])}; a "
-            "paired ratio needs both methods on the same prompts (one `run_methods` call)."
-        )
-    ratio = float(_median_speed_ratio(*samples)) if prompts else math.nan
-    low, high = math.nan, math.nan
-    if prompts >= 2:
-        low, high = _interval(samples, _median_speed_ratio, confidence, resamples, seed, methods=("percentile",))
-    return PairedRatio(numerator.name, denominator.name, ratio, low, high, confidence, prompts)
+    per_prompt = tuple((np.array(method.speed_ratios, dtype=np.float64),) for method in (numerator, denominator))
+    return _paired_ratio(
+        numerator, denominator, per_prompt, _median_speed_ratio, confidence, resamples, seed, ("percentile",)
+    )
 
 
 def schedule_pairs(method_names: list[str]) -> list[tuple[str, str]]:
