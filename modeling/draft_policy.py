@@ -367,10 +367,12 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return
         # Decode plainly for a while, then probe. The window still holds the steps from before the backoff, so a
         # probe that pays on its own only shortens the wait; one that loses lengthens the next. A drafter that
-        # started to pay drafts again within about 1,400 steps of the longest backoff, not 16 of them.
-        if probe and self._pays(drafted.tokens, drafted.seconds):
+        # started to pay drafts again within about 1,400 steps of the longest backoff, not 16 of them. Once the
+        # wait is down to one step, steps that pay on their own draft back to back until the window turns: a hard
+        # stretch of text at T=0 cost HyperDFlash every other step until then (10-24 steps a prompt skipped).
+        if (probe or self.backoff == 1) and self._pays(drafted.tokens, drafted.seconds):
             self.backoff = max(self.backoff // self.backoff_growth, 1)
-            self.plain_steps_left = self.backoff
+            self.plain_steps_left = self.backoff if self.backoff > 1 else 0
         else:  # a wait past 64 steps needs a full window: a first call's one-off costs can make one step lose
             self.plain_steps_left = self.backoff
             full = len(self.recent_drafted_steps) == self.drafting_window

@@ -161,6 +161,20 @@ def test_probes_that_pay_shorten_the_wait_until_the_window_turns():
     assert probes[2:] == list(range(probes[2], waiting + 400))
 
 
+def test_after_a_one_step_wait_steps_that_pay_on_their_own_draft_back_to_back():
+    """A hard stretch of text turns the window losing; once the drafts pay again, each step that pays on its own
+    drafts the next one too, however many losing steps the window still holds (not every other step)."""
+    policy = AdaptiveDraftPolicy(max_draft=7)
+    policy.record(_step(proposed=0, accepted=0, seconds=1.0))
+    losing = _step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.01])
+    for _ in range(16):
+        policy.record(losing)  # a full window of losing steps
+    policy.backoff, policy.plain_steps_left = 4, 0  # as after its first, one-step wait
+    better = _step(proposed=3, accepted=1, seconds=1.0, draft=0.5)  # 2 tokens per 1.5 s: pays on its own
+    assert _decode(policy, 20, better) == list(range(20))
+    assert (policy.backoff, policy.plain_steps_left) == (1, 0)
+
+
 def test_a_step_whose_drafts_were_all_cut_is_one_certain_token_in_the_window():
     """A drafter forward that verified nothing brought one token for sure: alone in the window it loses at once (an
     untrained drafter on a busy machine drafted every step and verified nothing, while the doubt a coin flip
