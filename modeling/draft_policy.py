@@ -29,7 +29,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -62,6 +62,11 @@ class DraftedStep:
     tokens: int  # accepted drafts + the bonus token
     verified: int  # tokens in the verify forward: drafts sent + 1 (1: every draft was cut)
     seconds: float
+
+
+def typical_step(steps: Collection[DraftedStep]) -> tuple[float, float]:
+    """Drafted steps' mean tokens and median seconds: one slow step on a busy machine must not decide."""
+    return statistics.fmean(step.tokens for step in steps), statistics.median(step.seconds for step in steps)
 
 
 def expected_tokens(acceptance: Sequence[float]) -> list[float]:
@@ -115,17 +120,6 @@ class RunningMean:
     def add(self, value: float) -> None:
         self.value = value if self.value is None else self.value + self.smoothing * (value - self.value)
         self.count += 1
-
-
-class FadingMean:
-    """The mean of the last `horizon` values or so: a plain mean until then, older values fading after."""
-
-    def __init__(self, horizon: int):
-        self.horizon, self.value, self.count = horizon, 0.0, 0
-
-    def add(self, value: float) -> None:
-        self.count += 1
-        self.value += (value - self.value) / min(self.count, self.horizon)
 
 
 class StepCosts:
@@ -254,33 +248,33 @@ class AdaptiveDraftPolicy(DraftPolicy):
     """
 
     max_backoff = 1024  # plain steps between probes at most
-    max_unsure_backoff = 64  # ... until a full window of drafted steps says drafting loses
+    max_short_backoff = 64  # ... unless a full window of drafted steps says drafting loses widely
     backoff_growth = 4  # each losing probe: 1, 4, 16, 64 (64, ...), 256, 1024 plain steps before the next
     drafting_window = 16  # the drafted steps whose tokens and seconds decide whether drafting pays
     long_run_horizon = 512  # the drafted steps, over calls, that say whether a new call starts drafting
     break_even_margin = 0.05  # drafting stays on unless it loses by more than this
+    wide_loss = 0.2  # drafted steps this much slower than plain ones, or more, may wait long and across calls
 
     def __init__(self, max_draft: int):
         super().__init__(max_draft)
         self.calibration = AcceptanceCalibration()
         self.costs = StepCosts()
         self.recent_drafted_steps: deque[DraftedStep] = deque(maxlen=self.drafting_window)
-        self.long_run_tokens = FadingMean(self.long_run_horizon)  # per drafted step
-        self.long_run_seconds = FadingMean(self.long_run_horizon)
+        self.long_run: deque[DraftedStep] = deque(maxlen=self.long_run_horizon)
         self.backoff = 1
         self.plain_steps_left = 0
 
     def begin_call(self) -> None:
         """A call carried over from earlier ones decodes new text. How well a drafter does depends on the text
-        (native MTP k=1 here: 0.66x to 1.7x of plain decoding by prompt), so when the drafted steps of the calls so
-        far (about the last 512) ran at plain steps' speed or faster, less the margin, the call starts drafting with
-        an empty window, however the last call ended; a drafter that never paid (an untrained one) keeps its wait,
-        and later calls cost no probes. They are judged against plain steps as timed now, not when they ran: a
-        first call drafts before it has timed a plain step, and the line's guess then (a one-token verify as
-        costly as the longest) made the shipped drafter at T=1 look 40% cheaper than it is. Drafted steps weigh
-        alike wherever they fall, so a drafter that paid in long stretches and lost in short ones counts as
-        paying: starting to draft when it is wrong costs the few steps the window takes to turn."""
-        if self.long_run_tokens.count and self._pays(self.long_run_tokens.value, self.long_run_seconds.value):
+        (native MTP k=1 here: 0.66x to 1.7x of plain decoding by prompt), so unless the drafted steps of the calls
+        so far (the last 512) lost widely, the call starts drafting with an empty window, however the last call
+        ended; a drafter that lost widely (an untrained one, or sampling at T=1 here) keeps its wait, and later
+        calls cost no probes. A drafter near break-even (native MTP k=1 here) is not kept waiting: this machine's
+        timings of one plain step drift by a fifth from minute to minute, and a whole call waiting when drafting
+        would have paid cost it 14% on one prompt, while starting to draft when it is wrong costs the few steps the
+        window takes to turn, at a small loss each. They are judged against plain steps as timed now, not when
+        they ran: a first call drafts before it has timed a plain step."""
+        if self.long_run and not self._loses_widely(self.long_run):
             self.recent_drafted_steps.clear()
             self.backoff, self.plain_steps_left = 1, 0
 
@@ -328,12 +322,20 @@ class AdaptiveDraftPolicy(DraftPolicy):
         deeper = totals[depth + 1] / (seconds[depth + 1] + self.costs.draft_seconds(depth + 1))
         return deeper >= now
 
+    def _speed(self, tokens: float, seconds: float) -> float:
+        """`tokens` per step in `seconds` over plain steps' speed as timed now."""
+        return tokens / seconds * self.costs.plain_step_seconds()
+
+    def _loses_widely(self, steps: Collection[DraftedStep]) -> bool:
+        """Whether `steps` ran `wide_loss` or more slower than plain steps (`typical_step`)."""
+        return self._speed(*typical_step(steps)) < 1.0 - self.wide_loss
+
     def _pays(self, tokens: float, seconds: float) -> bool:
         """Whether `tokens` per step in `seconds` beat plain steps less `break_even_margin`: a drafter within it of
         break-even keeps drafting. Switching it off costs more than the margin: every skipped step still runs in
         the assisted loop, each probe catches up on the skipped context (native MTP k=1's probes measured 13%
         slower than its steps while it drafted every step), and a long wait takes many probes to end."""
-        return tokens / seconds * self.costs.plain_step_seconds() >= 1.0 - self.break_even_margin
+        return self._speed(tokens, seconds) >= 1.0 - self.break_even_margin
 
     def _drafting_pays(self) -> bool:
         """Unless the recent drafted steps show drafting losing to plain steps beyond their noise: their mean tokens
@@ -344,8 +346,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         is still caught within a few steps. Their seconds count by the median: one slow step (a first call's
         one-off costs, a busy machine) stays in the window until 16 probes replace it."""
         window = self.recent_drafted_steps
-        tokens = statistics.fmean(step.tokens for step in window)
-        seconds = statistics.median(step.seconds for step in window)
+        tokens, seconds = typical_step(window)
         if self._pays(tokens, seconds):  # most steps of a drafter that pays: no doubt to weigh (stdev is slow)
             return True
         verified = [step.tokens for step in window if step.verified > 1]
@@ -360,8 +361,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         drafted = DraftedStep(step.accepted + 1, step.proposed + 1, step.draft_seconds + step.other_seconds)
         probe = self.backoff > 1  # the first drafted step after a backoff
         self.recent_drafted_steps.append(drafted)
-        self.long_run_tokens.add(drafted.tokens)
-        self.long_run_seconds.add(drafted.seconds)
+        self.long_run.append(drafted)
         if self._drafting_pays():
             self.backoff = 1
             return
@@ -373,11 +373,13 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if (probe or self.backoff == 1) and self._pays(drafted.tokens, drafted.seconds):
             self.backoff = max(self.backoff // self.backoff_growth, 1)
             self.plain_steps_left = self.backoff if self.backoff > 1 else 0
-        else:  # a wait past 64 steps needs a full window: a first call's one-off costs can make one step lose
+        else:  # a wait past 64 steps needs a full window that loses widely (a first call's one-off costs can make
+            # one step lose; near break-even, a probe costs little and this machine's timings drift by more)
             self.plain_steps_left = self.backoff
-            full = len(self.recent_drafted_steps) == self.drafting_window
+            window = self.recent_drafted_steps
+            wide = len(window) == self.drafting_window and self._loses_widely(window)
             self.backoff = min(
-                self.backoff_growth * self.backoff, self.max_backoff if full else self.max_unsure_backoff
+                self.backoff_growth * self.backoff, self.max_backoff if wide else self.max_short_backoff
             )
 
 

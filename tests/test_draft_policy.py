@@ -20,6 +20,7 @@ from hf_hyperdflash.modeling.draft_policy import (
     CallSchedule,
     ConfidenceThreshold,
     ConstantDraftPolicy,
+    DraftedStep,
     HeuristicDraftPolicy,
     ScheduleKey,
     ScheduleMemory,
@@ -211,6 +212,21 @@ def test_a_new_call_drafts_again_when_drafting_paid_over_the_calls_so_far():
     assert paid.should_draft() and not never_paid.should_draft()
 
 
+def test_near_break_even_waits_stay_short_and_end_with_the_call():
+    """A drafter that loses by less than a fifth (here 1 token per 1.1 s against plain steps' 1 per second: its
+    drafts all cut, so no doubt keeps it on) waits 64 steps at most, and a new call drafts again; one that loses
+    widely waits up to 1024 steps, also in the next call (`test_losing_drafts_back_off_fourfold...`)."""
+    policy = AdaptiveDraftPolicy(max_draft=7)
+    policy.record(_step(proposed=0, accepted=0, seconds=1.0))
+    close = _step(proposed=0, accepted=0, seconds=1.0, draft=0.1, confidences=[0.01] * 7)
+    probes = _decode(policy, 2000, close)
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:4] == [1, 4, 16, 64] and set(gaps[4:]) == {64}
+    assert policy.plain_steps_left > 0
+    policy.begin_call()
+    assert (policy.backoff, policy.plain_steps_left, len(policy.recent_drafted_steps)) == (1, 0, 0)
+
+
 def test_sequential_drafting_stops_when_the_next_draft_does_not_pay():
     policy = AdaptiveDraftPolicy(max_draft=4)
     assert policy.keep_drafting([0.01])  # nothing timed yet: draft on
@@ -304,10 +320,11 @@ def _drafted_steps(target, drafter, prompt, new_tokens: int, **sampling) -> int:
 
 
 def test_adaptive_carries_what_it_learned_to_the_next_call_per_setting(tiny_target, monkeypatch):
-    """Drafting loses every time here (so the backoff is the same on a busy machine): after a 30-token call, the
+    """Drafting loses widely every time here (so the backoff is the same on a busy machine): after a 30-token call, the
     next one starts in the 64-step backoff it left and never drafts, where a fresh start (adaptive_transient, another
     temperature, a reset) probes at decoding steps 1 and 3."""
     monkeypatch.setattr(AdaptiveDraftPolicy, "_pays", lambda self, tokens, cost: False)
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_loses_widely", lambda self, steps: True)
     drafter = _untrained(tiny_target, "adaptive")
     prompt = torch.randint(3, tiny_target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
     assert _drafted_steps(tiny_target, drafter, prompt, 30) >= 3
@@ -501,12 +518,11 @@ def test_call_schedule_picks_the_policy_and_keeps_what_it_learned():
     assert call("adaptive").policy.backoff == 4 and call("adaptive_transient").policy.backoff == 1
     paid = call("adaptive")  # a wait after drafted steps that ran faster than plain ones: the next call drafts
     paid.policy.costs.record(_step(proposed=0, accepted=0, seconds=1.0))
-    paid.policy.long_run_tokens.add(3.0)
-    paid.policy.long_run_seconds.add(2.5)
+    paid.policy.long_run.append(DraftedStep(tokens=3, verified=4, seconds=2.5))
     paid.policy.backoff, paid.policy.plain_steps_left = 16, 16
     paid.finish()
     assert (call("adaptive").policy.backoff, call("adaptive").policy.plain_steps_left) == (1, 0)
-    for _ in range(10):  # plain steps timed at half that since: the same drafted steps ran at 0.62x
+    for _ in range(10):  # plain steps timed at half that since: the same drafted steps ran at 0.6x
         paid.policy.costs.record(_step(proposed=0, accepted=0, seconds=0.5))
     paid.finish()
     assert (call("adaptive").policy.backoff, call("adaptive").policy.plain_steps_left) == (16, 16)
