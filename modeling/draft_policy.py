@@ -374,10 +374,13 @@ class AdaptiveDraftPolicy(DraftPolicy):
             self.backoff = max(self.backoff // self.backoff_growth, 1)
             self.plain_steps_left = self.backoff if self.backoff > 1 else 0
         else:  # a wait past 64 steps needs a full window that loses widely (a first call's one-off costs can make
-            # one step lose; near break-even, a probe costs little and this machine's timings drift by more)
+            # one step lose; near break-even, a probe costs little and this machine's timings drift by more) in a
+            # long run that did not pay: a hard stretch of text left HyperDFlash at T=0, twice as fast as plain
+            # decoding over the calls, waiting through the rest of a call
             self.plain_steps_left = self.backoff
             window = self.recent_drafted_steps
             wide = len(window) == self.drafting_window and self._loses_widely(window)
+            wide = wide and not self._pays(*typical_step(self.long_run))
             self.backoff = min(
                 self.backoff_growth * self.backoff, self.max_backoff if wide else self.max_short_backoff
             )

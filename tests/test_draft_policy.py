@@ -227,6 +227,16 @@ def test_near_break_even_waits_stay_short_and_end_with_the_call():
     assert (policy.backoff, policy.plain_steps_left, len(policy.recent_drafted_steps)) == (1, 0, 0)
 
 
+def test_a_drafter_that_paid_over_the_long_run_waits_short_through_a_hard_stretch():
+    """Drafting loses widely for a while (one token per 1.5 s against plain steps' 1 per second) after 100 steps
+    at 2 tokens per 1.2 s: the waits stop at 64 steps, so drafting resumes soon after the text gets easy again."""
+    policy = AdaptiveDraftPolicy(max_draft=1)
+    _decode(policy, 100, _step(proposed=1, accepted=1, seconds=1.0, draft=0.2, confidences=[0.9]))
+    probes = _decode(policy, 2000, _step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.5]))
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    assert max(gaps) == 64 and gaps.count(64) > 10
+
+
 def test_sequential_drafting_stops_when_the_next_draft_does_not_pay():
     policy = AdaptiveDraftPolicy(max_draft=4)
     assert policy.keep_drafting([0.01])  # nothing timed yet: draft on
