@@ -269,10 +269,10 @@ class AdaptiveDraftPolicy(DraftPolicy):
         (native MTP k=1 here: 0.66x to 1.7x of plain decoding by prompt), so unless the drafted steps of the calls
         so far (the last 512) lost widely, the call starts drafting with an empty window, however the last call
         ended; a drafter that lost widely (an untrained one, or sampling at T=1 here) keeps its wait, and later
-        calls cost no probes. A drafter near break-even (native MTP k=1 here) is not kept waiting: this machine's
-        timings of one plain step drift by a fifth from minute to minute, and a whole call waiting when drafting
-        would have paid cost it 14% on one prompt, while starting to draft when it is wrong costs the few steps the
-        window takes to turn, at a small loss each. They are judged against plain steps as timed now, not when
+        calls cost no probes. A drafter near break-even (native MTP k=1 here) is not kept waiting: on a busy
+        machine the timings of plain steps drift by a fifth and more from minute to minute, so it waited through
+        whole calls it would have won, while starting to draft when it is wrong costs the few steps the window
+        takes to turn, at a small loss each. They are judged against plain steps as timed now, not when
         they ran: a first call drafts before it has timed a plain step."""
         if self.long_run and not self._loses_widely(self.long_run):
             self.recent_drafted_steps.clear()
