@@ -334,4 +334,7 @@ def install_generate_integration() -> None:
     if installed_by == __name__ or (installed_by is not None and not is_library):
         return
     original = current.__wrapped__ if installed_by is not None else current
+    # The library's stand-in that loads it on the first generate() (`import hf_hyperdflash` before transformers):
+    # wrapping it would run that generate() through the integration twice, nested
+    original = getattr(original, "_hyperdflash_stock_generate", original)
     GenerationMixin.generate = _wrap_generate(original)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import hf_hyperdflash
 import hf_hyperdflash.modeling
 
@@ -120,18 +122,28 @@ def test_library_commands_do_not_import_each_other_or_the_cli():
             assert not any(name.startswith(("..cli", f"..{other}")) for name in found), (path.name, found)
 
 
-def test_importing_the_library_before_transformers_still_takes_over_generate():
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import hf_hyperdflash",  # then the runtime's import installs the integration over the library's stand-in
+        "from hf_hyperdflash.modeling import HyperDFlashForDrafting",
+    ],
+)
+def test_importing_the_library_before_transformers_still_takes_over_generate(imports):
     """`import hf_hyperdflash` as a script's first line: transformers' first `generate()` loads the runtime, so
-    prompt lookup on a stateful V4 target (refused by stock transformers) decodes as plain decoding does."""
-    script = """
-import hf_hyperdflash
+    prompt lookup on a stateful V4 target (refused by stock transformers) decodes as plain decoding does, and so
+    does a drafter, whichever of the library and the runtime was imported first."""
+    script = f"""{imports}
 import torch
+from hf_hyperdflash.modeling import HyperDFlashForDrafting
 from hf_hyperdflash.testing import tiny_deepseek_v4
 target = tiny_deepseek_v4(seed=0)
 prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+drafter = HyperDFlashForDrafting.from_target(target, block_size=4).eval()
+drafted = target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=drafter)  # the first generate()
 plain = target.generate(prompt, max_new_tokens=8, do_sample=False)
 lookup = target.generate(prompt, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
-print(torch.equal(plain, lookup))
+print(torch.equal(plain, lookup) and torch.equal(plain, drafted))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
