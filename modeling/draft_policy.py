@@ -132,14 +132,17 @@ class StepCosts:
     def __init__(self):
         self.drafter_forward = RunningMean()
         self.by_length: dict[int, RunningMean] = {}
-        self.recent_plain_steps: deque[float] = deque(maxlen=self.plain_steps_kept)  # one-token verifies, seconds
+        self.recent_plain_steps: deque[float] = deque(maxlen=self.plain_steps_kept)  # steps that skipped, seconds
 
     def record(self, step: StepRecord) -> None:
+        """A step whose drafts were all cut also verifies one token and times that length for `choose`, but it is
+        no plain step: its bookkeeping around the drafter forward made it ~1.6x a skipped step's cost here, and at
+        T=1, where many steps are cut, counting it so made the shipped drafter (0.63x) look near break-even."""
         if step.drafter_forwards:
             self.drafter_forward.add(step.draft_seconds / step.drafter_forwards)
-        self.by_length.setdefault(step.proposed + 1, RunningMean()).add(step.other_seconds)
-        if not step.proposed:
+        else:
             self.recent_plain_steps.append(step.other_seconds)
+        self.by_length.setdefault(step.proposed + 1, RunningMean()).add(step.other_seconds)
 
     def draft_seconds(self, forwards: int) -> float:
         return forwards * (self.drafter_forward.value or 0.0)
@@ -160,15 +163,12 @@ class StepCosts:
         intercept = mean_t - slope * mean_n
         return [max(intercept + slope * n, 1e-9) for n in range(1, longest + 1)]
 
-    def plain_step_seconds(self) -> float | None:
-        """A step that skips drafting: the median of the last 32 timed (else the line's one-token verify). What
-        drafting is judged against must not follow one slow step: while a drafter drafts, no plain step is timed
-        to correct it, and an untrained drafter at T=1 then drafted through whole calls at 0.5x of plain decoding
-        after a few plain steps timed on a busy machine."""
-        if self.recent_plain_steps:
-            return statistics.median(self.recent_plain_steps)
-        seconds = self.step_seconds_up_to(1)
-        return seconds[0] if seconds else None
+    def plain_step_seconds(self) -> float:
+        """A step that skips drafting: the median of the last 32 timed. What drafting is judged against must not
+        follow one slow step: while a drafter drafts, no plain step is timed to correct it, and an untrained
+        drafter at T=1 then drafted through whole calls at 0.5x of plain decoding after a few plain steps timed on
+        a busy machine."""
+        return statistics.median(self.recent_plain_steps)
 
 
 class DraftPolicy(ABC):
@@ -254,6 +254,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
     long_run_horizon = 512  # the drafted steps, over calls, that say whether a new call starts drafting
     break_even_margin = 0.05  # drafting stays on unless it loses by more than this
     wide_loss = 0.2  # drafted steps this much slower than plain ones, or more, may wait long and across calls
+    first_plain_steps = 3  # timed before the first drafted step (their median is what drafting is judged against)
+    control_margin = 0.25  # a drafter this close to break-even, or closer, re-times a plain step every 16 steps
 
     def __init__(self, max_draft: int):
         super().__init__(max_draft)
@@ -263,6 +265,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.long_run: deque[DraftedStep] = deque(maxlen=self.long_run_horizon)
         self.backoff = 1
         self.plain_steps_left = 0
+        self.drafted_since_plain = 0
 
     def begin_call(self) -> None:
         """A call carried over from earlier ones decodes new text. How well a drafter does depends on the text
@@ -273,7 +276,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         machine the timings of plain steps drift by a fifth and more from minute to minute, so it waited through
         whole calls it would have won, while starting to draft when it is wrong costs the few steps the window
         takes to turn, at a small loss each. They are judged against plain steps as timed now, not when
-        they ran: a first call drafts before it has timed a plain step."""
+        they ran: the machine's load drifts between calls."""
         if self.long_run and not self._loses_widely(self.long_run):
             self.recent_drafted_steps.clear()
             self.backoff, self.plain_steps_left = 1, 0
@@ -288,10 +291,21 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.plain_steps_left = max(self.plain_steps_left - steps, 0)
 
     def should_draft(self) -> bool:
+        """A schedule's first steps decode plainly: drafting is judged against plain steps as timed (no other step
+        costs what one does: a cut step's bookkeeping, a verify's longer input), and the first one of a call can
+        carry one-off costs (a third more, here), which made an untrained drafter look as if it paid."""
         if self.plain_steps_left > 0:
             self.plain_steps_left -= 1
             return False
-        return True
+        if len(self.costs.recent_plain_steps) < self.first_plain_steps:
+            return False
+        return self.drafted_since_plain < self.drafting_window or not self._near_break_even()
+
+    def _near_break_even(self) -> bool:
+        """Whether the window's drafted steps run within `control_margin` of plain steps' speed: then every 16th step
+        decodes plainly, to judge them against plain steps as timed now (a drafter that pays times none otherwise,
+        and plain steps timed in a busy minute, or a first call's, made an untrained drafter look as if it paid)."""
+        return self._speed(*typical_step(self.recent_drafted_steps)) < 1.0 + self.control_margin
 
     def choose(self, confidences: Sequence[float]) -> int:
         """How many of the drafts to verify: position j joins while it raises the expected rate, judged from
@@ -356,7 +370,9 @@ class AdaptiveDraftPolicy(DraftPolicy):
     def record(self, step: StepRecord) -> None:
         self.costs.record(step)
         if not step.drafter_forwards:
+            self.drafted_since_plain = 0
             return
+        self.drafted_since_plain += 1
         self.calibration.update(step.confidences, step.proposed, step.accepted)
         drafted = DraftedStep(step.accepted + 1, step.proposed + 1, step.draft_seconds + step.other_seconds)
         probe = self.backoff > 1  # the first drafted step after a backoff
