@@ -299,7 +299,9 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return False
         if len(self.costs.recent_plain_steps) < self.first_plain_steps:
             return False
-        return self.drafted_since_plain < self.drafting_window or not self._near_break_even()
+        if self.drafted_since_plain < self.drafting_window or not self.recent_drafted_steps:  # a new call's: empty
+            return True
+        return not self._near_break_even()
 
     def _near_break_even(self) -> bool:
         """Whether the window's drafted steps run within `control_margin` of plain steps' speed: then every 16th step

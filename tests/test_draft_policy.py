@@ -270,6 +270,11 @@ def test_a_drafter_near_break_even_re_times_a_plain_step_every_16_drafted_steps(
     assert _decode(ahead, 300, _step(proposed=1, accepted=1, seconds=2.0, draft=0.4, confidences=[0.9])) == list(
         range(300)
     )
+    near = AdaptiveDraftPolicy(max_draft=1)  # a new call that starts with an empty window drafts its first step
+    _time_plain_steps(near)
+    _decode(near, 16, _step(proposed=1, accepted=1, seconds=1.6, draft=0.1, confidences=[0.9]))
+    near.begin_call()
+    assert near.drafted_since_plain == 16 and not near.recent_drafted_steps and near.should_draft()
 
 
 def test_sequential_drafting_stops_when_the_next_draft_does_not_pay():
