@@ -7,12 +7,13 @@ distribution there), mapped to an acceptance probability by a table calibrated o
 verified depends only on what is known before its token is drawn (confidences 1..j, past steps), never on the drawn
 token or on later positions: a rule that looked at them would bias speculative sampling. Seconds come from timings
 of the drafter and of target forwards over 1..k+1 tokens: on a CPU a longer verify costs more, on a GPU about the
-same, so no cost is assumed. When drafting loses to plain decoding, steps decode plainly with no drafter forward,
-and a probe drafts again after a backoff that grows fourfold while probes keep losing (past 64 steps only when
-drafting loses widely); a call that would decode plainly from start to end runs plain decoding's own loop. Under
-"adaptive" what it learned (calibration, costs, how drafted steps fared) carries over to the drafter's next call with
-the same target and setting (`ScheduleMemory`), and so does a wait when the calls so far lost widely (how well a
-drafter does depends on the text); "adaptive_transient" learns from nothing in every call.
+same, so no cost is assumed. Drafting is judged against plain steps as timed: a schedule's first steps decode
+plainly, and a drafter near break-even re-times one every 16 steps. When drafting loses, steps decode plainly with no
+drafter forward, and a probe drafts again after a backoff that grows fourfold while probes keep losing (past 64 steps
+only when drafting loses widely); a call that would decode plainly from start to end runs plain decoding's own
+loop. Under "adaptive" what it learned (calibration, costs, how drafted steps fared) carries over to the drafter's
+next call with the same target and setting (`ScheduleMemory`), and so does a wait when the calls so far lost widely
+(how well a drafter does depends on the text); "adaptive_transient" learns from nothing in every call.
 
 `HeuristicDraftPolicy` ("heuristic", "heuristic_transient") and `ConfidenceThreshold`
 (`assistant_confidence_threshold`) are transformers' own rules, `ConstantDraftPolicy` ("constant") drafts the full
