@@ -7,10 +7,10 @@ distribution there), mapped to an acceptance probability by a table calibrated o
 verified depends only on what is known before its token is drawn (confidences 1..j, past steps), never on the drawn
 token or on later positions: a rule that looked at them would bias speculative sampling. Seconds come from timings
 of the drafter and of target forwards over 1..k+1 tokens: on a CPU a longer verify costs more, on a GPU about the
-same, so no cost is assumed. Drafting is judged against plain steps as timed: a schedule's first steps decode
-plainly, and a drafter near break-even re-times one every 16 steps. When drafting loses, steps decode plainly with no
-drafter forward, and a probe drafts again after a backoff that grows fourfold while probes keep losing (past 64 steps
-only when drafting loses widely); a call that would decode plainly from start to end runs plain decoding's own
+same, so no cost is assumed. Drafting is judged against plain steps as timed: a schedule that has timed none, or
+a drafter near break-even, decodes one plainly after 16 drafted steps. When drafting loses, steps decode plainly with
+no drafter forward, and a probe drafts again after a backoff that grows fourfold while probes keep losing (past 64
+steps only when drafting loses widely); a call that would decode plainly from start to end runs plain decoding's own
 loop. Under "adaptive" what it learned (calibration, costs, how drafted steps fared) carries over to the drafter's
 next call with the same target and setting (`ScheduleMemory`), and so does a wait when the calls so far lost widely
 (how well a drafter does depends on the text); "adaptive_transient" learns from nothing in every call.
@@ -165,11 +165,13 @@ class StepCosts:
         return [max(intercept + slope * n, 1e-9) for n in range(1, longest + 1)]
 
     def plain_step_seconds(self) -> float:
-        """A step that skips drafting: the median of the last 32 timed. What drafting is judged against must not
-        follow one slow step: while a drafter drafts, no plain step is timed to correct it, and an untrained
-        drafter at T=1 then drafted through whole calls at 0.5x of plain decoding after a few plain steps timed on
-        a busy machine."""
-        return statistics.median(self.recent_plain_steps)
+        """A step that skips drafting: the median of the last 32 timed (before any, the line's one-token verify).
+        What drafting is judged against must not follow one slow step: while a drafter drafts, few plain steps are
+        timed to correct it, and an untrained drafter at T=1 then drafted through whole calls at 0.5x of plain
+        decoding after a few plain steps timed on a busy machine."""
+        if self.recent_plain_steps:
+            return statistics.median(self.recent_plain_steps)
+        return self.step_seconds_up_to(1)[0]
 
 
 class DraftPolicy(ABC):
@@ -255,7 +257,6 @@ class AdaptiveDraftPolicy(DraftPolicy):
     long_run_horizon = 512  # the drafted steps, over calls, that say whether a new call starts drafting
     break_even_margin = 0.05  # drafting stays on unless it loses by more than this
     wide_loss = 0.2  # drafted steps this much slower than plain ones, or more, may wait long and across calls
-    first_plain_steps = 3  # timed before the first drafted step (their median is what drafting is judged against)
     control_margin = 0.25  # a drafter this close to break-even, or closer, re-times a plain step every 16 steps
 
     def __init__(self, max_draft: int):
@@ -292,17 +293,18 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.plain_steps_left = max(self.plain_steps_left - steps, 0)
 
     def should_draft(self) -> bool:
-        """A schedule's first steps decode plainly: drafting is judged against plain steps as timed (no other step
-        costs what one does: a cut step's bookkeeping, a verify's longer input), and the first one of a call can
-        carry one-off costs (a third more, here), which made an untrained drafter look as if it paid."""
+        """After 16 drafted steps with no plain step since, a step decodes plainly if none was ever timed or the
+        drafter is near break-even (`_near_break_even`): drafting is judged against plain steps as timed, and no
+        other step costs what one does (a cut step's bookkeeping, a verify's longer input). Until one is timed the
+        step-cost line stands in, so short calls (and the chi-square tests' two-token samples) draft from the start."""
         if self.plain_steps_left > 0:
             self.plain_steps_left -= 1
             return False
-        if len(self.costs.recent_plain_steps) < self.first_plain_steps:
-            return False
-        if self.drafted_since_plain < self.drafting_window or not self.recent_drafted_steps:  # a new call's: empty
+        if self.drafted_since_plain < self.drafting_window:
             return True
-        return not self._near_break_even()
+        if not self.costs.recent_plain_steps:
+            return False
+        return not (self.recent_drafted_steps and self._near_break_even())  # a new call's window may be empty
 
     def _near_break_even(self) -> bool:
         """Whether the window's drafted steps run within `control_margin` of plain steps' speed: then every 16th step

@@ -92,14 +92,13 @@ def test_a_plain_step_is_what_most_of_the_last_32_took():
     assert costs.plain_step_seconds() == 1.0 and costs.step_seconds_up_to(1)[0] > 2.0
 
 
-def test_a_schedules_first_step_decodes_plainly_so_drafting_is_judged_against_a_timed_plain_step():
+def test_a_schedule_that_timed_no_plain_step_decodes_its_17th_step_plainly():
+    """Until a plain step is timed the step-cost line stands in for one (so short calls draft from the start); after
+    16 drafted steps one step decodes plainly to time it, and a drafter far ahead of it never stops again."""
     policy = AdaptiveDraftPolicy(max_draft=7)
-    for seconds in (1.4, 1.0, 1.1):  # the first one with a call's one-off costs
-        assert not policy.should_draft()
-        policy.record(_step(proposed=0, accepted=0, seconds=seconds))
-    assert policy.should_draft() and policy.costs.plain_step_seconds() == 1.1
-    policy.begin_call()  # a later call has one timed already
-    assert policy.should_draft()
+    probes = _decode(policy, 60, _step(proposed=3, accepted=3, seconds=1.0, draft=0.2, confidences=[0.9] * 7))
+    assert probes == [i for i in range(60) if i != 16]
+    assert policy.costs.plain_step_seconds() == 1.0
 
 
 def test_every_length_reads_the_line_weighted_by_how_often_it_was_timed():
@@ -128,8 +127,8 @@ def test_choose_truncates_where_more_drafts_cost_more_than_they_bring():
 
 
 def _time_plain_steps(policy: AdaptiveDraftPolicy) -> None:
-    """The plain steps a schedule times before it drafts, at 1 second each."""
-    for _ in range(policy.first_plain_steps):
+    """Three plain steps timed, at 1 second each."""
+    for _ in range(3):
         policy.record(_step(proposed=0, accepted=0, seconds=1.0))
 
 
@@ -262,7 +261,7 @@ def test_a_drafter_near_break_even_re_times_a_plain_step_every_16_drafted_steps(
     far ahead of plain steps never stops for one."""
     stale, ahead = AdaptiveDraftPolicy(max_draft=1), AdaptiveDraftPolicy(max_draft=1)
     for policy in (stale, ahead):
-        for _ in range(policy.first_plain_steps):
+        for _ in range(3):
             policy.record(_step(proposed=0, accepted=0, seconds=2.0))
     probes = _decode(stale, 300, _step(proposed=1, accepted=1, seconds=2.6, draft=1.0, confidences=[0.9]))
     assert probes[:48] == [i for i in range(51) if i not in (16, 33, 50)]
