@@ -395,6 +395,7 @@ def test_a_call_the_schedule_would_decode_plainly_runs_plain_decodings_loop(tiny
     """Once what "adaptive" learned skips more steps than a call has, the call is plain decoding's own (no assisted
     loop, no drafter forward) and counts against the backoff; the call that reaches the probe drafts again."""
     monkeypatch.setattr(AdaptiveDraftPolicy, "_pays", lambda self, tokens, cost: False)
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_loses_widely", lambda self, steps: True)  # the wait carries over
     drafter = _untrained(tiny_target, "adaptive")
     prompt = torch.randint(3, tiny_target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
     _drafted_steps(tiny_target, drafter, prompt, 30)
