@@ -93,6 +93,11 @@ class AcceptanceCalibration:
         self.accepted = [prior_weight * (b + 0.5) / bins for b in range(bins)]
         self.tried = [prior_weight] * bins
 
+    def copy(self) -> AcceptanceCalibration:
+        twin = copy.copy(self)
+        twin.accepted, twin.tried = list(self.accepted), list(self.tried)
+        return twin
+
     def _bin(self, confidence: float) -> int:
         return min(int(confidence * self.bins), self.bins - 1)
 
@@ -134,6 +139,13 @@ class StepCosts:
         self.drafter_forward = RunningMean()
         self.by_length: dict[int, RunningMean] = {}
         self.recent_plain_steps: deque[float] = deque(maxlen=self.plain_steps_kept)  # steps that skipped, seconds
+
+    def copy(self) -> StepCosts:
+        twin = copy.copy(self)
+        twin.drafter_forward = copy.copy(self.drafter_forward)
+        twin.by_length = {n: copy.copy(mean) for n, mean in self.by_length.items()}
+        twin.recent_plain_steps = self.recent_plain_steps.copy()
+        return twin
 
     def record(self, step: StepRecord) -> None:
         """A step whose drafts were all cut also verifies one token and times that length for `choose`, but it is
@@ -268,6 +280,14 @@ class AdaptiveDraftPolicy(DraftPolicy):
         self.backoff = 1
         self.plain_steps_left = 0
         self.drafted_since_plain = 0
+
+    def copy(self) -> AdaptiveDraftPolicy:
+        """A private copy for a new call, sharing only the frozen steps: `copy.deepcopy` took 16 ms over 512 of
+        them, 5% of a 20-token call that decodes plainly."""
+        twin = copy.copy(self)
+        twin.calibration, twin.costs = self.calibration.copy(), self.costs.copy()
+        twin.recent_drafted_steps, twin.long_run = self.recent_drafted_steps.copy(), self.long_run.copy()
+        return twin
 
     def begin_call(self) -> None:
         """A call carried over from earlier ones decodes new text. How well a drafter does depends on the text
@@ -505,7 +525,7 @@ class ScheduleMemory:
         with self._lock:
             learned = self._policies.get(target, {}).get(key)
         # A kept policy is never changed again (its call is over), so it is copied outside the lock
-        return copy.deepcopy(learned) if learned is not None else AdaptiveDraftPolicy(key.max_draft)
+        return learned.copy() if learned is not None else AdaptiveDraftPolicy(key.max_draft)
 
     def keep(self, target, key: ScheduleKey, policy: AdaptiveDraftPolicy) -> None:
         """After a call completed: its policy is what the next call with (`target`, `key`) starts from."""

@@ -517,6 +517,20 @@ def _key(**changes) -> ScheduleKey:
     return ScheduleKey(**devices | {"drafter_dtype": "torch.float32", "temperature": None, "max_draft": 7} | changes)
 
 
+def test_a_checked_out_policy_shares_nothing_a_call_changes_with_the_kept_one():
+    kept = AdaptiveDraftPolicy(7)
+    for step in (_step(7, 3, 0.02, draft=0.01), _step(0, 0, 0.01), _step(4, 0, 0.03, draft=0.01)):
+        kept.record(step)
+    snapshot = pickle.dumps(kept)
+    twin = kept.copy()
+    mutable = [name for name, value in vars(kept).items() if not isinstance(value, int | float | str | type(None))]
+    assert mutable and all(getattr(twin, name) is not getattr(kept, name) for name in mutable)
+    for step in (_step(7, 7, 0.02, draft=0.01), _step(0, 0, 0.5), _step(2, 1, 0.04, draft=0.02)):
+        twin.record(step)
+    twin.costs.drafter_forward.add(9.0)
+    assert pickle.dumps(kept) == snapshot
+
+
 def test_schedule_memory_hands_out_copies_per_target_and_setting():
     memory, target, other = ScheduleMemory(), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     policy = memory.checkout(target, _key())
