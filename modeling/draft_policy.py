@@ -157,6 +157,12 @@ class StepCosts:
             self.recent_plain_steps.append(step.other_seconds)
         self.by_length.setdefault(step.proposed + 1, RunningMean()).add(step.other_seconds)
 
+    def record_plain_loop(self, step_seconds: Sequence[float]) -> None:
+        """Steps of plain decoding's own loop: the ones kept spread over the call, not its last (they attend over
+        the most context)."""
+        stride = max(math.ceil(len(step_seconds) / self.plain_steps_kept), 1)
+        self.recent_plain_steps.extend(step_seconds[::stride])
+
     def draft_seconds(self, forwards: int) -> float:
         return forwards * (self.drafter_forward.value or 0.0)
 
@@ -308,9 +314,15 @@ class AdaptiveDraftPolicy(DraftPolicy):
         them)."""
         return self.plain_steps_left >= steps
 
-    def skip(self, steps: int) -> None:
-        """`steps` steps were decoded plainly outside the assisted loop."""
+    def skip(self, steps: int, step_seconds: Sequence[float]) -> None:
+        """`steps` steps were decoded plainly outside the assisted loop, which timed `step_seconds` of them. Where a
+        drafter loses, most of a session's plain steps run there: timed only inside the assisted loop, plain steps
+        were those of the few calls that probed, minutes old, and the shipped drafter at T=1 (0.6x of plain
+        sampling) was judged at 0.8x-1.08x over a session, so new calls started drafting and drafted through it."""
         self.plain_steps_left = max(self.plain_steps_left - steps, 0)
+        if step_seconds:
+            self.costs.record_plain_loop(step_seconds)
+            self.drafted_since_plain = 0
 
     def should_draft(self) -> bool:
         """After 16 drafted steps with no plain step since, a step decodes plainly if none was ever timed or the

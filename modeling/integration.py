@@ -225,18 +225,24 @@ def _plain_call(
     start: float,
 ):
     """A call the learned schedule would decode plainly from its first step to its last: plain decoding's own loop
-    and cache, without the assisted loop's per-step work, and the schedule counts its steps as decoded plainly. A
+    and cache, without the assisted loop's per-step work, and the schedule counts its steps as decoded plainly and
+    learns what they took (from one target forward's start to the next's: most plain steps of a session run here). A
     cache the caller passed is checked as a drafting call checks it, and left as plain decoding's, as one leaves it."""
     arguments = {name: value for name, value in request.arguments.items() if name != "assistant_model"}
     cache = {}
     if request.cache is not None:
         target.release_cache(_call_cache(target, request.cache, max_draft))
         cache = {CACHE_ARGUMENT: request.cache}
-    output = original_generate(request.model, **arguments, **request.kwargs, **cache)
+    forward_starts: list[float] = []
+    with call_scope.CallHooks() as hooks:
+        hooks.before(request.model, lambda *_: forward_starts.append(synchronized_clock()))
+        output = original_generate(request.model, **arguments, **request.kwargs, **cache)
     stats = GenerationStats(num_draft_tokens=schedule.policy.max_draft, schedule=schedule.name)
     _record_call(stats, output, request, drafter, start)
     stats.target_forwards, stats.skipped_steps = stats.new_tokens, max(stats.new_tokens - 1, 0)
-    schedule.policy.skip(stats.new_tokens)
+    decode_starts = forward_starts[1:]  # the prefill's forward is no step
+    step_seconds = [later - earlier for earlier, later in zip(decode_starts, decode_starts[1:], strict=False)]
+    schedule.policy.skip(stats.new_tokens, step_seconds)
     schedule.finish()
     return output
 

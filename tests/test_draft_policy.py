@@ -92,6 +92,13 @@ def test_a_plain_step_is_what_most_of_the_last_32_took():
     assert costs.plain_step_seconds() == 1.0 and costs.step_seconds_up_to(1)[0] > 2.0
 
 
+def test_plain_decodings_own_loop_leaves_32_steps_spread_over_the_call():
+    costs = StepCosts()
+    costs.record_plain_loop([0.001 * n for n in range(255)])
+    assert list(costs.recent_plain_steps) == pytest.approx([0.001 * n for n in range(0, 255, 8)])  # 32 of them
+    assert costs.plain_step_seconds() == pytest.approx(0.001 * (8 * 15 + 8 * 16) / 2)
+
+
 def test_a_schedule_that_timed_no_plain_step_decodes_its_17th_step_plainly():
     """Until a plain step is timed the step-cost line stands in for one (so short calls draft from the start); after
     16 drafted steps one step decodes plainly to time it, and a drafter far ahead of it never stops again."""
@@ -425,7 +432,12 @@ def test_a_call_the_schedule_would_decode_plainly_runs_plain_decodings_loop(tiny
     )
     stats = drafter.last_generation_stats
     assert not assisted and stats.new_tokens == 20 and stats.skipped_share == 1.0
-    assert schedule_memory(drafter).checkout(tiny_target, key).plain_steps_left == 5
+    learned = schedule_memory(drafter).checkout(tiny_target, key)
+    assert learned.plain_steps_left == 5
+    # plain decoding's loop timed its steps (20 forwards: the prefill, then 19 steps, the last untimed) for the
+    # schedule, which judges drafting against them
+    assert len(learned.costs.recent_plain_steps) == min(len(policy.costs.recent_plain_steps) + 18, 32)
+    assert learned.drafted_since_plain == 0 and all(seconds > 0 for seconds in learned.costs.recent_plain_steps)
     assert _drafted_steps(tiny_target, drafter, prompt, 10) >= 1 and assisted  # 5 plain steps, then the probe
 
 
