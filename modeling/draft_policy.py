@@ -12,8 +12,9 @@ a drafter near break-even, decodes one plainly after 16 drafted steps. When draf
 no drafter forward, and a probe drafts again after a backoff that grows fourfold while probes keep losing (past 64
 steps only when drafting loses widely); a call that would decode plainly from start to end runs plain decoding's own
 loop. Under "adaptive" what it learned (calibration, costs, how drafted steps fared) carries over to the drafter's
-next call with the same target and setting (`ScheduleMemory`), and so does a wait when the calls so far lost widely
-(how well a drafter does depends on the text); "adaptive_transient" learns from nothing in every call.
+next call with the same target and setting (`ScheduleMemory`), and so does a wait unless drafting paid over the
+calls so far (how well a drafter does depends on the text; up to 64 steps of it unless they lost widely);
+"adaptive_transient" learns from nothing in every call.
 
 `HeuristicDraftPolicy` ("heuristic", "heuristic_transient") and `ConfidenceThreshold`
 (`assistant_confidence_threshold`) are transformers' own rules, `ConstantDraftPolicy` ("constant") drafts the full
@@ -297,17 +298,22 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     def begin_call(self) -> None:
         """A call carried over from earlier ones decodes new text. How well a drafter does depends on the text
-        (native MTP k=1 here: 0.66x to 1.7x of plain decoding by prompt), so unless the drafted steps of the calls
-        so far (the last 512) lost widely, the call starts drafting with an empty window, however the last call
-        ended; a drafter that lost widely (an untrained one, or sampling at T=1 here) keeps its wait, and later
-        calls cost no probes. A drafter near break-even (native MTP k=1 here) is not kept waiting: on a busy
-        machine the timings of plain steps drift by a fifth and more from minute to minute, so it waited through
-        whole calls it would have won, while starting to draft when it is wrong costs the few steps the window
-        takes to turn, at a small loss each. They are judged against plain steps as timed now, not when
-        they ran: the machine's load drifts between calls."""
-        if self.long_run and not self._loses_widely(self.long_run):
+        (native MTP k=1 here: 0.66x to 1.7x of plain decoding by prompt), so a drafter whose drafted steps paid over
+        the calls so far (the last 512, within `break_even_margin`) starts the call drafting with an empty window,
+        however the last call ended. One that lost widely (an untrained one) keeps its wait, and later calls cost
+        no probes. One in between keeps its window and at most 64 steps of its wait: the shipped drafter at T=1, at
+        0.6x of plain sampling, read 0.8x-0.98x on a busy minute's timings, and each fresh start then drafted 16
+        steps and more; native MTP k=1 near break-even, whose plain steps' timings drift by a fifth from minute to
+        minute, is not kept waiting through calls it would have won. They are judged against plain steps as timed
+        now, not when they ran: the machine's load drifts between calls."""
+        if not self.long_run:
+            return
+        if self._pays(*typical_step(self.long_run)):
             self.recent_drafted_steps.clear()
             self.backoff, self.plain_steps_left = 1, 0
+        elif not self._loses_widely(self.long_run):
+            self.backoff = min(self.backoff, self.max_short_backoff)
+            self.plain_steps_left = min(self.plain_steps_left, self.max_short_backoff)
 
     def decodes_plainly(self, steps: int) -> bool:
         """Before a call: whether its next `steps` steps all decode plainly (then plain decoding's own loop runs

@@ -237,19 +237,22 @@ def test_a_new_call_drafts_again_when_drafting_paid_over_the_calls_so_far():
     assert paid.should_draft() and not never_paid.should_draft()
 
 
-def test_near_break_even_waits_stay_short_and_end_with_the_call():
+def test_near_break_even_waits_stay_short_also_into_the_next_call():
     """A drafter that loses by less than a fifth (here 1 token per 1.1 s against plain steps' 1 per second: its
-    drafts all cut, so no doubt keeps it on) waits 64 steps at most, and a new call drafts again; one that loses
-    widely waits up to 1024 steps, also in the next call (`test_losing_drafts_back_off_fourfold...`)."""
+    drafts all cut, so no doubt keeps it on) waits 64 steps at most, and a new call keeps its window and at most 64
+    steps of the wait (a fresh start drafted a full window again each call); one that loses widely keeps a wait of
+    up to 1024 steps (`test_losing_drafts_back_off_fourfold...`), one that paid starts drafting
+    (`test_a_new_call_drafts_again...`)."""
     policy = AdaptiveDraftPolicy(max_draft=7)
     _time_plain_steps(policy)
     close = _step(proposed=0, accepted=0, seconds=1.0, draft=0.1, confidences=[0.01] * 7)
     probes = _decode(policy, 2000, close)
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
     assert gaps[:4] == [1, 4, 16, 64] and set(gaps[4:]) == {64}
-    assert policy.plain_steps_left > 0
+    policy.backoff, policy.plain_steps_left = 256, 200  # as a hard stretch's wide window could have left it
     policy.begin_call()
-    assert (policy.backoff, policy.plain_steps_left, len(policy.recent_drafted_steps)) == (1, 0, 0)
+    assert (policy.backoff, policy.plain_steps_left, len(policy.recent_drafted_steps)) == (64, 64, 16)
+    assert not policy.should_draft()
 
 
 def test_a_drafter_that_paid_over_the_long_run_waits_short_through_a_hard_stretch():
