@@ -152,6 +152,11 @@ def _decode(policy: AdaptiveDraftPolicy, steps: int, drafted: StepRecord) -> lis
     return probes
 
 
+def _gaps(probes: list[int]) -> list[int]:
+    """Plain steps between consecutive drafted ones."""
+    return [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+
+
 def test_losing_drafts_back_off_fourfold_and_a_winning_probe_resumes_drafting():
     policy = AdaptiveDraftPolicy(max_draft=7)
     _time_plain_steps(policy)  # plain steps: 1 token per second
@@ -160,7 +165,7 @@ def test_losing_drafts_back_off_fourfold_and_a_winning_probe_resumes_drafting():
     # past 64 steps once 16 drafted steps (the window) agree
     losing = _step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.01])
     probes = _decode(policy, 2000, losing)
-    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    gaps = _gaps(probes)
     assert gaps == [0] * 5 + [1, 4, 16] + [64] * 8 + [256, 1024]
     assert policy.backoff == 1024
     assert policy.decodes_plainly(policy.plain_steps_left) and not policy.decodes_plainly(policy.plain_steps_left + 1)
@@ -182,7 +187,7 @@ def test_probes_that_pay_shorten_the_wait_until_the_window_turns():
     better = _step(proposed=3, accepted=1, seconds=1.0, draft=0.5)
     probes = _decode(policy, waiting + 400, better)
     assert probes[0] == waiting
-    assert [b - a - 1 for a, b in zip(probes[:3], probes[1:3], strict=False)] == [256, 64]
+    assert _gaps(probes[:3]) == [256, 64]
     assert probes[2:] == list(range(probes[2], waiting + 400))
 
 
@@ -247,7 +252,7 @@ def test_near_break_even_waits_stay_short_also_into_the_next_call():
     _time_plain_steps(policy)
     close = _step(proposed=0, accepted=0, seconds=1.0, draft=0.1, confidences=[0.01] * 7)
     probes = _decode(policy, 2000, close)
-    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    gaps = _gaps(probes)
     assert gaps[:4] == [1, 4, 16, 64] and set(gaps[4:]) == {64}
     policy.backoff, policy.plain_steps_left = 256, 200  # as a hard stretch's wide window could have left it
     policy.begin_call()
@@ -261,8 +266,26 @@ def test_a_drafter_that_paid_over_the_long_run_waits_short_through_a_hard_stretc
     policy = AdaptiveDraftPolicy(max_draft=1)
     _decode(policy, 100, _step(proposed=1, accepted=1, seconds=1.0, draft=0.2, confidences=[0.9]))
     probes = _decode(policy, 2000, _step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.5]))
-    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    gaps = _gaps(probes)
     assert max(gaps) == 64 and gaps.count(64) > 10
+
+
+def test_a_window_that_loses_narrowly_does_not_outvote_a_long_run_that_paid():
+    """After 200 drafted steps at 1.25x of plain steps, steps whose drafts are all cut (1 token per 1.1 s: 0.91x)
+    keep drafting, but for a plain step every 17th, until the long run itself stops paying (after about 185 of
+    them); after only 100 paying steps, or against steps that lose widely (1 per 1.5 s), the window decides."""
+    paying = _step(proposed=1, accepted=1, seconds=1.4, draft=0.2, confidences=[0.9])
+    narrow = _step(proposed=0, accepted=0, seconds=1.0, draft=0.1, confidences=[0.01])
+    wide = _step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.5])
+    long_run, short_run, hard_stretch = (AdaptiveDraftPolicy(max_draft=1) for _ in range(3))
+    for policy, paid_steps in ((long_run, 200), (short_run, 100), (hard_stretch, 200)):
+        _time_plain_steps(policy)
+        assert len(_decode(policy, paid_steps + paid_steps // 16, paying)) >= paid_steps
+    gaps = _gaps(_decode(long_run, 600, narrow))
+    assert set(gaps[:150]) == {0, 1} and gaps[:150].count(1) < 12  # only the plain steps that re-time one
+    assert max(gaps) >= 64 and not long_run._long_run_pays()
+    assert max(_gaps(_decode(short_run, 600, narrow))[:30]) >= 4
+    assert max(_gaps(_decode(hard_stretch, 600, wide))[:30]) >= 4
 
 
 def test_a_drafter_near_break_even_re_times_a_plain_step_every_16_drafted_steps():
