@@ -93,7 +93,9 @@ def test_markdown_has_a_row_per_method_and_flags_the_failure(results, tmp_path):
     _, ratios = _first_table(markdown, "| ratio |")
     # tau 7.33 / 2.50; a resample of two prompts is (1, 1): 8 / 3, (2, 2): 7 / 2, or a mix: the full ratio
     assert ratios["hyperdflash / mtp-k3"][1:3] == ["2.93", "2.67–3.50 |"]
-    assert markdown.count("| ratio |") == 2  # one per setting
+    assert markdown.count("| ratio | tau ratio |") == 2  # one per setting
+    _, speedups = _first_table(markdown, "| ratio | speed ratio |")  # each method's, with its interval
+    assert list(speedups) == ["mtp-k3 / plain", "hyperdflash / plain"] and speedups["mtp-k3 / plain"][1] == "2.00"
     header, latency = _first_table(markdown, "| method | ms/step |")
     assert list(latency) == ["mtp-k3", "hyperdflash"]  # plain has no verify steps
     assert latency["mtp-k3"][1:3] == ["100.00", "5.00 (5%)"]  # 0.4 s over 4 steps; draft 20 ms over 4 steps
@@ -130,17 +132,20 @@ def test_a_side_joined_with_plus_pools_its_methods(results):
     assert ratio.ratio == pytest.approx((19 + 10 + 7) / 7 / 2.5)  # 29 drafts accepted over 7 verify steps
 
 
-def test_each_schedule_of_a_drafter_is_compared_by_speed_on_the_same_prompts(results, tmp_path):
+def test_each_method_and_each_schedule_of_a_drafter_is_compared_by_speed_on_the_same_prompts(results, tmp_path):
     constant = _result("mtp-k3-constant", [3, 3, 3, 3], [3, 3, 3, 3])
     constant.speed_ratios = [1.0, 2.0]  # mtp-k3: 1.5 and 2.5, so 1.5 and 1.25 per prompt
     greedy = SettingResult(results[0].setting, [*results[0].methods, constant])
     markdown = write_report([greedy], RUN | {"methods": [m.name for m in greedy.methods]}, tmp_path)
-    assert "Schedules on the same prompts" in markdown
+    assert "Speed on the same prompts" in markdown
     _, rows = _first_table(markdown, "| ratio | speed ratio |")
-    assert list(rows) == ["mtp-k3 / mtp-k3-constant"] and rows["mtp-k3 / mtp-k3-constant"][1] == "1.38"
-    (ratio,) = json.loads((tmp_path / REPORT_FILES["json"]).read_text())["settings"][0]["schedule_speed_ratios"]
+    speedups = ["mtp-k3 / plain", "hyperdflash / plain", "mtp-k3-constant / plain"]
+    assert list(rows) == [*speedups, "mtp-k3 / mtp-k3-constant"] and rows["mtp-k3 / mtp-k3-constant"][1] == "1.38"
+    *speedups, ratio = json.loads((tmp_path / REPORT_FILES["json"]).read_text())["settings"][0]["speed_ratios"]
     assert (ratio["numerator"], ratio["denominator"]) == ("mtp-k3", "mtp-k3-constant")
     assert ratio["ratio"] == pytest.approx(1.375) and 1.25 <= ratio["low"] <= ratio["high"] <= 1.5
+    speedup = speedups[2]  # the median of 1.0 and 2.0, plain decoding at 1.0 on both prompts
+    assert speedup["ratio"] == pytest.approx(1.5) and 1.0 <= speedup["low"] <= speedup["high"] <= 2.0
 
 
 def test_acceptance_plot_is_a_png(results, tmp_path):

@@ -7,9 +7,9 @@ per generated token, then the speed of the method's later calls, those after its
 and speedup (median over prompts of tokens/s over plain decoding's); "1st call" is the first call's speedup over
 plain decoding's first call, where a schedule that keeps what it learned across calls starts from nothing; and
 lossless (greedy outputs token-identical to plain decoding, N/N prompts). A second table gives the tau ratios of
-the pairs in `run["tau_ratios"]` with paired bootstrap intervals over prompts; a third each drafter's default schedule
-against its others by speed on the same prompts; a fourth splits the mean verify step into drafting, the target's
-verify forward, the cache rollback and the rest.
+the pairs in `run["tau_ratios"]` with paired bootstrap intervals over prompts; a third each method's speedup with its
+interval, and each drafter's default schedule against its others, by speed on the same prompts; a fourth splits the
+mean verify step into drafting, the target's verify forward, the cache rollback and the rest.
 """
 
 from __future__ import annotations
@@ -97,11 +97,14 @@ def tau_ratios(result: SettingResult, pairs: list[tuple[str, str]]) -> list[Pair
     return [paired_tau_ratio(side(numerator), side(denominator)) for numerator, denominator in pairs]
 
 
-def schedule_speed_ratios(result: SettingResult) -> list[PairedRatio]:
-    """Each method's default schedule against its other schedules in this setting, by speed on the same prompts."""
+def speed_comparisons(result: SettingResult) -> list[PairedRatio]:
+    """By speed on the same prompts: each speculative method over plain decoding (its speedup, with the interval
+    that says whether it differs from 1.00x), then each method's default schedule over its other schedules."""
+    plain, *speculative = result.methods
     by_name = {method.name: method for method in result.methods}
     pairs = schedule_pairs([method.name for method in result.methods])
-    return [paired_speed_ratio(by_name[default], by_name[other]) for default, other in pairs]
+    speedups = [paired_speed_ratio(method, plain) for method in speculative]
+    return speedups + [paired_speed_ratio(by_name[default], by_name[other]) for default, other in pairs]
 
 
 def _ratio_table(ratios: list[PairedRatio], quantity: str = "tau") -> list[str]:
@@ -150,19 +153,20 @@ def markdown_report(
     ]
     if run["notes"]:
         lines += ["", "Notes:", *(f"- {note}" for note in run["notes"])]
-    for result, setting_ratios, schedule_ratios in zip(results, ratios, speed_ratios, strict=True):
+    for result, setting_ratios, method_speed_ratios in zip(results, ratios, speed_ratios, strict=True):
         plain = result.methods[0]
         lines += ["", f"## {result.setting.label} ({plain.prompts} prompts)", "", *_method_table(result.methods)]
         if setting_ratios:
             lines += ["", "Paired tau ratios (BCa bootstrap interval over prompts, both methods resampled together):"]
             lines += ["", *_ratio_table(setting_ratios)]
-        if schedule_ratios:
+        if method_speed_ratios:
             lines += [
                 "",
-                "Schedules on the same prompts: the median over prompts of one schedule's speedup over the other's "
-                "(later calls; percentile bootstrap interval over prompts):",
+                "Speed on the same prompts, later calls: the median over prompts of one method's speed over the "
+                "other's (over plain decoding: its speedup; then each default schedule over the drafter's others), "
+                "with a percentile bootstrap interval over prompts:",
             ]
-            lines += ["", *_ratio_table(schedule_ratios, quantity="speed")]
+            lines += ["", *_ratio_table(method_speed_ratios, quantity="speed")]
         if any(method.latency_ms for method in result.methods):
             plain_ms = 1000 / plain.median_tokens_per_second
             lines += ["", f"Mean verify step (ms, share); plain decoding: {plain_ms:.2f} ms per token.", ""]
@@ -193,9 +197,9 @@ def results_json(
                 "thinking": r.setting.thinking,
                 "methods": [method.as_dict() for method in r.methods],
                 "tau_ratios": [_ratio_json(ratio) for ratio in setting_ratios],
-                "schedule_speed_ratios": [_ratio_json(ratio) for ratio in schedule_ratios],
+                "speed_ratios": [_ratio_json(ratio) for ratio in method_speed_ratios],
             }
-            for r, setting_ratios, schedule_ratios in zip(results, ratios, speed_ratios, strict=True)
+            for r, setting_ratios, method_speed_ratios in zip(results, ratios, speed_ratios, strict=True)
         ],
     }
 
@@ -234,10 +238,10 @@ def write_report(results: list[SettingResult], run: dict, output_dir: str | Path
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     ratios = [tau_ratios(result, run["tau_ratios"]) for result in results]
-    speed_ratios = [schedule_speed_ratios(result) for result in results]
-    markdown = markdown_report(results, run, ratios, speed_ratios)
+    speeds = [speed_comparisons(result) for result in results]
+    markdown = markdown_report(results, run, ratios, speeds)
     (output_dir / REPORT_FILES["markdown"]).write_text(markdown)
-    data = results_json(results, run, ratios, speed_ratios)
+    data = results_json(results, run, ratios, speeds)
     (output_dir / REPORT_FILES["json"]).write_text(json.dumps(data, indent=1, allow_nan=False))
     plot_acceptance(results, output_dir / REPORT_FILES["plot"])
     return markdown
