@@ -6,8 +6,10 @@ The adaptive schedule decodes plainly when drafting loses. Inside a call that dr
 in transformers' assisted loop, with the rewindable cache and the feature-capture hook: "in the assisted loop" forces
 every step to skip (the shipped HyperDFlash drafter never drafts), so its ratio is that overhead alone. A call whose
 every step falls in the schedule's wait runs plain decoding's own loop instead: "whole call" forces that. Prints, per
-prompt, the median over interleaved repeats of plain / speculative time, by the wall clock and by the process's CPU
-time (one torch thread, so CPU time is the work done, without what other load on a shared machine adds), and their
+prompt, the median over interleaved repeats of plain / speculative time, by the wall clock, by the process's CPU
+time (one torch thread), and per step: the median interval between consecutive target forwards after the prefill,
+which a burst of load on a shared machine moves far less than a whole call's time (calls here scatter by 10-20%
+from one repeat to the next, and whole-call medians over 8 prompts by 2%: too coarse for a 1% question); then their
 medians over prompts.
 """
 
@@ -28,17 +30,26 @@ from hf_hyperdflash.modeling.draft_policy import AdaptiveDraftPolicy
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+MEASURES = (*CLOCKS, "per step")
 SKIPPING = {  # how the schedule is forced to skip every step
     "in the assisted loop": {"should_draft": lambda self: False},
     "whole call": {"decodes_plainly": lambda self, steps: True},
 }
 
 
-def timed(call: Callable[[], object]) -> dict[str, float]:
-    """Seconds `call()` took by each clock."""
+def timed(call: Callable[[], object], target: torch.nn.Module) -> dict[str, float]:
+    """Seconds `call()` took by each clock, and its median step: from one target forward's start to the next's."""
+    forward_starts: list[float] = []
+    hook = target.register_forward_pre_hook(lambda *_: forward_starts.append(time.perf_counter()))
     start = {name: clock() for name, clock in CLOCKS.items()}
-    call()
-    return {name: clock() - start[name] for name, clock in CLOCKS.items()}
+    try:
+        call()
+    finally:
+        hook.remove()
+    seconds = {name: clock() - start[name] for name, clock in CLOCKS.items()}
+    steps = forward_starts[1:]  # the prefill's forward is no step
+    seconds["per step"] = statistics.median(b - a for a, b in zip(steps, steps[1:], strict=False))
+    return seconds
 
 
 def skipping_call(decode: Callable, drafter, patches: dict[str, Callable]) -> Callable[[], object]:
@@ -59,7 +70,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
     target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32).eval()
     drafter = AutoModel.from_pretrained(reference.drafter_path("hyperdflash"), dtype=torch.float32).eval()
-    ratios = {(way, name): [] for way in SKIPPING for name in CLOCKS}
+    ratios = {(way, name): [] for way in SKIPPING for name in MEASURES}
     for chat in load_prompts("sharegpt", "held_out", args.prompts, max_chars=2000):
         input_ids = torch.tensor([encode_prompt(tokenizer, chat, enable_thinking=False)])
         decode = functools.partial(target.generate, input_ids, max_new_tokens=args.max_new_tokens)
@@ -67,13 +78,14 @@ def main() -> None:
         per_repeat = {key: [] for key in ratios}
         for repeat in range(args.repeats):  # the order rotates, so a drift favours none
             order = list(runs)[repeat % len(runs) :] + list(runs)[: repeat % len(runs)]
-            seconds = {name: timed(runs[name]) for name in order}
+            seconds = {name: timed(runs[name], target) for name in order}
             for way, name in per_repeat:
                 per_repeat[way, name].append(seconds["plain"][name] / seconds[way][name])
         for key, values in per_repeat.items():
             ratios[key].append(statistics.median(values))
     for (way, name), values in ratios.items():
-        print(f"always skipping ({way}), speed over plain decoding per prompt ({name} clock): ", end="")
+        measure = "per step" if name == "per step" else f"{name} clock"
+        print(f"always skipping ({way}), speed over plain decoding per prompt ({measure}): ", end="")
         print(f"{', '.join(f'{r:.3f}' for r in values)}; median {statistics.median(values):.3f}x")
 
 
