@@ -27,6 +27,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.modeling.draft_policy import AdaptiveDraftPolicy
+from hf_hyperdflash.modeling.step_timer import decode_step_seconds
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -47,8 +48,7 @@ def timed(call: Callable[[], object], target: torch.nn.Module) -> dict[str, floa
     finally:
         hook.remove()
     seconds = {name: clock() - start[name] for name, clock in CLOCKS.items()}
-    steps = forward_starts[1:]  # the prefill's forward is no step
-    seconds["per step"] = statistics.median(b - a for a, b in zip(steps, steps[1:], strict=False))
+    seconds["per step"] = statistics.median(decode_step_seconds(forward_starts))
     return seconds
 
 

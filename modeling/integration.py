@@ -44,7 +44,7 @@ from .request_checks import (
     refuse_images,
     refuse_incompatible_options,
 )
-from .step_timer import StepTimer, synchronized_clock
+from .step_timer import StepTimer, decode_step_seconds, synchronized_clock
 from .stopping import HeldBackStreamer, PerTokenStopping
 from .target_base import HyperConnectionTarget
 from .targets import TARGET_FAMILIES, get_target_adapter
@@ -240,8 +240,7 @@ def _plain_call(
     stats = GenerationStats(num_draft_tokens=schedule.policy.max_draft, schedule=schedule.name)
     _record_call(stats, output, request, drafter, start)
     stats.target_forwards, stats.skipped_steps = stats.new_tokens, max(stats.new_tokens - 1, 0)
-    decode_starts = forward_starts[1:]  # the prefill's forward is no step
-    step_seconds = [later - earlier for earlier, later in zip(decode_starts, decode_starts[1:], strict=False)]
+    step_seconds = decode_step_seconds(forward_starts)
     schedule.policy.skip(stats.new_tokens, step_seconds)
     schedule.finish()
     return output
