@@ -213,6 +213,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides: dict = {}  # merged into the target's forward inputs by transformers
         # Verified features the drafter has not seen yet, one piece per step: joined once, when it next drafts
         self.pending: list[torch.Tensor] = []
+        self.drafted_last_step = False  # else the next draft also takes in the prompt or skipped steps' context
         self.timer = timer
         timer.on_close = self._iteration_done
         self._new_step()
@@ -221,6 +222,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         self.confidences: list[float] = []
         self.token_probabilities: list[float] = []
         self.last_proposed = self.last_accepted = self.drafter_forwards = 0
+        self.caught_up = False
 
     def _keep_drafting(self, confidences: list[float], probabilities: list[float]) -> bool:
         """A sequential drafter drafts one more token while the schedule, and the confidence threshold, agree."""
@@ -248,6 +250,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
                 self.model_kwargs_overrides["input_ids"] = input_ids[:, self.consumed :]
                 if model_kwargs.get("position_ids") is not None:
                     self.model_kwargs_overrides["position_ids"] = model_kwargs["position_ids"][..., self.consumed :]
+            self.drafted_last_step = False
             return input_ids, None
         self.model_kwargs_overrides = {}
 
@@ -262,8 +265,10 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
             return input_ids, None
         if not self.policy.should_draft():
             self.stats.skipped_steps += 1
+            self.drafted_last_step = False
             return input_ids, None
         self.timer.time_parts()
+        self.caught_up, self.drafted_last_step = not self.drafted_last_step, True
         context = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1)
         self.pending = []
         positions = torch.arange(input_ids.shape[1] - 1 - context.shape[1], input_ids.shape[1] - 1)[None]
@@ -308,5 +313,6 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
             drafter_forwards=self.drafter_forwards,
             draft_seconds=timing.draft,
             other_seconds=timing.seconds - timing.draft,
+            caught_up=self.caught_up,
         )
         self.policy.record(step)

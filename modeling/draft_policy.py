@@ -8,10 +8,12 @@ verified depends only on what is known before its token is drawn (confidences 1.
 token or on later positions: a rule that looked at them would bias speculative sampling. Seconds come from timings
 of the drafter and of target forwards over 1..k+1 tokens: on a CPU a longer verify costs more, on a GPU about the
 same, so no cost is assumed. Drafting is judged against plain steps as timed: a schedule that has timed none, or
-a drafter near break-even, decodes one plainly after 16 drafted steps. When drafting loses (over the last 16 drafted
-steps; where the last 128 and more paid, only when those 16 lose widely), steps decode plainly with no drafter
-forward, and a probe drafts again after a backoff that grows fourfold while probes keep losing (past 64 steps only
-when drafting loses widely); a call that would decode plainly from start to end runs plain decoding's own loop.
+a drafter near break-even, decodes one plainly after 16 drafted steps (or more, the more drafting gains). When
+drafting loses (over the last 16 drafted steps; where the last 128 and more paid, only when those 16 lose widely),
+steps decode plainly with no drafter forward, and a probe drafts again after a backoff that grows fourfold while
+probes keep losing (past 64 steps only when drafting loses widely); a call that would decode plainly from start to
+end runs plain decoding's own loop. A probe is judged as the steps after it would run, without the skipped context
+it caught up on.
 Under "adaptive" what it learned (calibration, costs, how drafted steps fared) carries over to the drafter's next call
 with the same target and setting (`ScheduleMemory`), and so does a wait unless drafting paid over the calls so far
 (how well a drafter does depends on the text; up to 64 steps of it unless they lost widely); "adaptive_transient"
@@ -25,6 +27,7 @@ before it is drawn.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 import statistics
@@ -32,7 +35,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -56,6 +59,7 @@ class StepRecord:
     drafter_forwards: int  # 0: a plain step; 1 per block; 1 per MTP depth
     draft_seconds: float
     other_seconds: float  # the rest of the step: the verify forward, acceptance, rollback
+    caught_up: bool = False  # the drafter forward also took in the prompt or skipped steps' context: a one-off cost
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,58 @@ class DraftedStep:
     seconds: float
 
 
-def typical_step(steps: Collection[DraftedStep]) -> tuple[float, float]:
-    """Drafted steps' mean tokens and median seconds: one slow step on a busy machine must not decide."""
-    return statistics.fmean(step.tokens for step in steps), statistics.median(step.seconds for step in steps)
+class DraftedSteps:
+    """The last `size` drafted steps, with their typical step kept up to date as steps come and go: the mean tokens
+    and the median seconds (one slow step on a busy machine must not decide). Read every step, 512 of them summed
+    and sorted afresh (and `statistics.stdev`) made the adaptive schedule, drafting every step, 0.99x of the fixed
+    one with native MTP k=1; kept up to date, 1.00x."""
+
+    def __init__(self, size: int):
+        self.steps: deque[DraftedStep] = deque(maxlen=size)
+        self.tokens = 0
+        self.sorted_seconds: list[float] = []
+
+    def append(self, step: DraftedStep) -> None:
+        if len(self.steps) == self.steps.maxlen:
+            oldest = self.steps[0]
+            self.tokens -= oldest.tokens
+            del self.sorted_seconds[bisect.bisect_left(self.sorted_seconds, oldest.seconds)]
+        self.steps.append(step)
+        self.tokens += step.tokens
+        bisect.insort(self.sorted_seconds, step.seconds)
+
+    def typical(self) -> tuple[float, float]:
+        """Mean tokens and median seconds (of at least one step)."""
+        count, middle = len(self.steps), len(self.steps) // 2
+        seconds = self.sorted_seconds
+        median = seconds[middle] if count % 2 else (seconds[middle - 1] + seconds[middle]) / 2
+        return self.tokens / count, median
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.tokens = 0
+        self.sorted_seconds = []
+
+    def copy(self) -> DraftedSteps:
+        twin = copy.copy(self)
+        twin.steps, twin.sorted_seconds = self.steps.copy(), list(self.sorted_seconds)
+        return twin
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self) -> Iterator[DraftedStep]:
+        return iter(self.steps)
+
+    def __getitem__(self, index: int) -> DraftedStep:
+        return self.steps[index]
+
+
+def sample_stdev(values: Sequence[int]) -> float:
+    """The sample standard deviation of two or more values, in floats (`statistics.stdev` computes in exact
+    fractions: tens of microseconds a step)."""
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1))
 
 
 def expected_tokens(acceptance: Sequence[float]) -> list[float]:
@@ -154,7 +207,8 @@ class StepCosts:
         no plain step: its bookkeeping around the drafter forward made it ~1.6x a skipped step's cost here, and at
         T=1, where many steps are cut, counting it so made the shipped drafter (0.63x) look near break-even."""
         if step.drafter_forwards:
-            self.drafter_forward.add(step.draft_seconds / step.drafter_forwards)
+            if not step.caught_up:
+                self.drafter_forward.add(step.draft_seconds / step.drafter_forwards)
         else:
             self.recent_plain_steps.append(step.other_seconds)
         self.by_length.setdefault(step.proposed + 1, RunningMean()).add(step.other_seconds)
@@ -278,14 +332,15 @@ class AdaptiveDraftPolicy(DraftPolicy):
     long_run_minimum = 128  # ... and, once this many, whether a window that loses narrowly stops drafting
     break_even_margin = 0.05  # drafting stays on unless it loses by more than this
     wide_loss = 0.2  # drafted steps this much slower than plain ones, or more, may wait long and across calls
-    control_margin = 0.25  # a drafter this close to break-even, or closer, re-times a plain step every 16 steps
+    control_margin = 0.25  # a drafter this close to break-even, or closer, re-times plain steps now and then
+    control_cost = 0.005  # ... so often that the steps it does not draft cost it at most this share of its speed
 
     def __init__(self, max_draft: int):
         super().__init__(max_draft)
         self.calibration = AcceptanceCalibration()
         self.costs = StepCosts()
-        self.recent_drafted_steps: deque[DraftedStep] = deque(maxlen=self.drafting_window)
-        self.long_run: deque[DraftedStep] = deque(maxlen=self.long_run_horizon)
+        self.recent_drafted_steps = DraftedSteps(self.drafting_window)
+        self.long_run = DraftedSteps(self.long_run_horizon)
         self.backoff = 1
         self.plain_steps_left = 0
         self.drafted_since_plain = 0
@@ -310,7 +365,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         now, not when they ran: the machine's load drifts between calls."""
         if not self.long_run:
             return
-        if self._pays(*typical_step(self.long_run)):
+        if self._pays(*self.long_run.typical()):
             self.recent_drafted_steps.clear()
             self.backoff, self.plain_steps_left = 1, 0
         elif not self._loses_widely(self.long_run):
@@ -333,10 +388,11 @@ class AdaptiveDraftPolicy(DraftPolicy):
             self.drafted_since_plain = 0
 
     def should_draft(self) -> bool:
-        """After 16 drafted steps with no plain step since, a step decodes plainly if none was ever timed or the
-        drafter is near break-even (`_near_break_even`): drafting is judged against plain steps as timed, and no
-        other step costs what one does (a cut step's bookkeeping, a verify's longer input). Until one is timed the
-        step-cost line stands in, so short calls (and the chi-square tests' two-token samples) draft from the start."""
+        """After 16 drafted steps with no plain step since, a step decodes plainly if none was ever timed, or, at the
+        re-timing interval (`_retiming_interval`), if the drafter is near break-even: drafting is judged against
+        plain steps as timed, and no other step costs what one does (a cut step's bookkeeping, a verify's longer
+        input). Until one is timed the step-cost line stands in, so short calls (and the chi-square tests'
+        two-token samples) draft from the start."""
         if self.plain_steps_left > 0:
             self.plain_steps_left -= 1
             return False
@@ -344,13 +400,21 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return True
         if not self.costs.recent_plain_steps:
             return False
-        return not (self.recent_drafted_steps and self._near_break_even())  # a new call's window may be empty
+        if not self.recent_drafted_steps:  # a new call's window may be empty
+            return True
+        return self.drafted_since_plain < self._retiming_interval()
 
-    def _near_break_even(self) -> bool:
-        """Whether the window's drafted steps run within `control_margin` of plain steps' speed: then every 16th step
-        decodes plainly, to judge them against plain steps as timed now (a drafter that pays times none otherwise,
-        and plain steps timed in a busy minute, or a first call's, made an untrained drafter look as if it paid)."""
-        return self._speed(*typical_step(self.recent_drafted_steps)) < 1.0 + self.control_margin
+    def _retiming_interval(self) -> float:
+        """Drafted steps between plain steps that re-time them, for the window's speed s over plain steps: within
+        `control_margin` of break-even, drafting is judged against plain steps as timed now (a drafter that pays
+        times none otherwise, and plain steps timed in a busy minute, or a first call's, made an untrained drafter
+        look as if it paid). Each such step forgoes s - 1 steps' worth of drafting's gain, so the interval grows
+        with it to cost at most `control_cost`, and is 16 steps at least: every 17th step cost native MTP k=1, at
+        1.2x of plain decoding, about 1% of its speed (now 34 drafted steps at 1.2x, 19 at 1.1x)."""
+        speed = self._speed(*self.recent_drafted_steps.typical())
+        if speed >= 1.0 + self.control_margin:
+            return math.inf
+        return max(self.drafting_window, math.ceil((speed - 1.0) / (self.control_cost * speed)))
 
     def choose(self, confidences: Sequence[float]) -> int:
         """How many of the drafts to verify: position j joins while it raises the expected rate, judged from
@@ -385,9 +449,9 @@ class AdaptiveDraftPolicy(DraftPolicy):
         """`tokens` per step in `seconds` over plain steps' speed as timed now."""
         return tokens / seconds * self.costs.plain_step_seconds()
 
-    def _loses_widely(self, steps: Collection[DraftedStep]) -> bool:
-        """Whether `steps` ran `wide_loss` or more slower than plain steps (`typical_step`)."""
-        return self._speed(*typical_step(steps)) < 1.0 - self.wide_loss
+    def _loses_widely(self, steps: DraftedSteps) -> bool:
+        """Whether `steps` ran `wide_loss` or more slower than plain steps (their typical step)."""
+        return self._speed(*steps.typical()) < 1.0 - self.wide_loss
 
     def _pays(self, tokens: float, seconds: float) -> bool:
         """Whether `tokens` per step in `seconds` beat plain steps less `break_even_margin`: a drafter within it of
@@ -405,13 +469,13 @@ class AdaptiveDraftPolicy(DraftPolicy):
         is still caught within a few steps. Their seconds count by the median: one slow step (a first call's
         one-off costs, a busy machine) stays in the window until 16 probes replace it."""
         window = self.recent_drafted_steps
-        tokens, seconds = typical_step(window)
-        if self._pays(tokens, seconds):  # most steps of a drafter that pays: no doubt to weigh (stdev is slow)
+        tokens, seconds = window.typical()
+        if self._pays(tokens, seconds):  # most steps of a drafter that pays: no doubt to weigh
             return True
         if self._long_run_pays() and not self._loses_widely(window):
             return True
         verified = [step.tokens for step in window if step.verified > 1]
-        spread = max(statistics.stdev(verified) if len(verified) > 1 else 0.0, 0.5)
+        spread = max(sample_stdev(verified) if len(verified) > 1 else 0.0, 0.5)
         return self._pays(tokens + 2 * spread * math.sqrt(len(verified)) / len(window), seconds)
 
     def _long_run_pays(self) -> bool:
@@ -419,7 +483,17 @@ class AdaptiveDraftPolicy(DraftPolicy):
         Their mean is known to a few percent where a 16-step window's is known to a fifth: native MTP k=1 at T=0,
         about 5% ahead of plain decoding, read a window losing by noise often enough to skip 14% of its steps (1.04x
         against the fixed schedule's 1.06x), so a window that loses by less than `wide_loss` does not outvote it."""
-        return len(self.long_run) >= self.long_run_minimum and self._pays(*typical_step(self.long_run))
+        return len(self.long_run) >= self.long_run_minimum and self._pays(*self.long_run.typical())
+
+    def _drafted_seconds(self, step: StepRecord) -> float:
+        """A drafted step's seconds as the steps after it would take: a step that caught up on the prompt or on
+        skipped steps' context is judged with a typical drafter forward. Its own cost is paid once, whatever the
+        step decides. Native MTP k=1, at 1.23x of plain decoding on a prompt under the fixed schedule, caught up on
+        up to 64 skipped steps in each probe (40-100 ms, against 18 ms a drafted step), judged every probe losing,
+        and waited through four calls of it in a row (0.97x)."""
+        if step.caught_up and self.costs.drafter_forward.value is not None:
+            return self.costs.draft_seconds(step.drafter_forwards) + step.other_seconds
+        return step.draft_seconds + step.other_seconds
 
     def record(self, step: StepRecord) -> None:
         self.costs.record(step)
@@ -428,7 +502,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return
         self.drafted_since_plain += 1
         self.calibration.update(step.confidences, step.proposed, step.accepted)
-        drafted = DraftedStep(step.accepted + 1, step.proposed + 1, step.draft_seconds + step.other_seconds)
+        drafted = DraftedStep(step.accepted + 1, step.proposed + 1, self._drafted_seconds(step))
         probe = self.backoff > 1  # the first drafted step after a backoff
         self.recent_drafted_steps.append(drafted)
         self.long_run.append(drafted)
@@ -450,7 +524,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
             self.plain_steps_left = self.backoff
             window = self.recent_drafted_steps
             wide = len(window) == self.drafting_window and self._loses_widely(window)
-            wide = wide and not self._pays(*typical_step(self.long_run))
+            wide = wide and not self._pays(*self.long_run.typical())
             self.backoff = min(
                 self.backoff_growth * self.backoff, self.max_backoff if wide else self.max_short_backoff
             )

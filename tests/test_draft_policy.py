@@ -2,8 +2,11 @@
 generate()."""
 
 import copy
+import dataclasses
 import gc
 import pickle
+import random
+import statistics
 import subprocess
 import sys
 import time
@@ -22,6 +25,7 @@ from hf_hyperdflash.modeling.draft_policy import (
     ConfidenceThreshold,
     ConstantDraftPolicy,
     DraftedStep,
+    DraftedSteps,
     HeuristicDraftPolicy,
     ScheduleKey,
     ScheduleMemory,
@@ -30,6 +34,7 @@ from hf_hyperdflash.modeling.draft_policy import (
     expected_tokens,
     lowest_cost_threshold,
     reset_draft_schedule,
+    sample_stdev,
     schedule_memory,
 )
 from hf_hyperdflash.testing import tiny_deepseek_v4
@@ -64,6 +69,29 @@ def test_calibration_evidence_is_capped_so_old_calls_fade():
     for _ in range(10):  # the drafter stops matching: ten rejections outweigh the twenty acceptances
         calibration.update([0.5], proposed=1, accepted=0)
     assert calibration.tried == [10.0] and calibration.probability(0.5) < 0.4
+
+
+def test_drafted_steps_keep_the_mean_tokens_and_median_seconds_of_the_last_ones():
+    """Kept up to date step by step, they read what `statistics` reads from the steps kept (exactly: the tokens are
+    counts, the median is one or the mean of two of the seconds), through evictions and equal seconds."""
+    rng = random.Random(0)
+    steps = DraftedSteps(size=7)
+    for i in range(60):
+        step = DraftedStep(tokens=rng.randint(1, 8), verified=8, seconds=rng.choice([0.5, 1.0, rng.random()]))
+        steps.append(step)
+        kept = list(steps)
+        assert len(kept) == min(i + 1, 7) and kept[-1] is step
+        assert steps.typical() == (
+            statistics.fmean(s.tokens for s in kept),
+            statistics.median(s.seconds for s in kept),
+        )
+    twin = steps.copy()
+    twin.append(DraftedStep(tokens=100, verified=8, seconds=100.0))
+    assert steps.typical()[0] < 9 and twin.typical()[0] > 9
+    steps.clear()
+    steps.append(DraftedStep(tokens=2, verified=3, seconds=0.25))
+    assert steps.typical() == (2.0, 0.25) and len(steps) == 1
+    assert sample_stdev([1, 2, 2, 5]) == pytest.approx(statistics.stdev([1, 2, 2, 5]), rel=1e-12)
 
 
 def test_step_costs_are_flat_from_one_length_and_a_line_from_several():
@@ -191,6 +219,27 @@ def test_probes_that_pay_shorten_the_wait_until_the_window_turns():
     assert probes[2:] == list(range(probes[2], waiting + 400))
 
 
+def test_a_probe_is_judged_without_the_context_it_caught_up_on():
+    """A probe's drafter forward also takes in the skipped steps' context (or the prompt): paid once, it says nothing
+    of the steps after. Judged with a typical drafter forward (0.5 s), a probe at 2 tokens per 1.5 s pays and
+    shortens the wait; by its own 4.5 s it would lose and lengthen it. A drafter never timed counts what it took."""
+    policy = AdaptiveDraftPolicy(max_draft=1)
+    _time_plain_steps(policy)
+    for _ in range(17):  # a full window losing widely: the longest backoff
+        policy.record(_step(proposed=1, accepted=0, seconds=1.0, draft=0.5))
+    assert policy.backoff == 1024
+    judged_by_its_own_seconds = policy.copy()
+    probe = _step(proposed=1, accepted=1, seconds=1.0, draft=3.5)
+    judged_by_its_own_seconds.record(probe)
+    policy.record(dataclasses.replace(probe, caught_up=True))
+    assert (policy.backoff, policy.plain_steps_left) == (256, 256)
+    assert judged_by_its_own_seconds.plain_steps_left == 1024
+    assert policy.costs.drafter_forward.value == pytest.approx(0.5) and policy.recent_drafted_steps[-1].seconds == 1.5
+    fresh = AdaptiveDraftPolicy(max_draft=1)
+    fresh.record(dataclasses.replace(probe, caught_up=True))
+    assert fresh.recent_drafted_steps[-1].seconds == 4.5 and fresh.costs.drafter_forward.value is None
+
+
 def test_after_a_one_step_wait_steps_that_pay_on_their_own_draft_back_to_back():
     """A hard stretch of text turns the window losing; once the drafts pay again, each step that pays on its own
     drafts the next one too, however many losing steps the window still holds (not every other step)."""
@@ -288,20 +337,25 @@ def test_a_window_that_loses_narrowly_does_not_outvote_a_long_run_that_paid():
     assert max(_gaps(_decode(hard_stretch, 600, wide))[:30]) >= 4
 
 
-def test_a_drafter_near_break_even_re_times_a_plain_step_every_16_drafted_steps():
-    """Plain steps timed in a busy minute (2 s) make a drafter at 2 tokens per 3.6 s look as if it paid (1.11x):
-    every 17th step decodes plainly, and once those (1 s now) outnumber the stale ones it loses and waits. A drafter
-    far ahead of plain steps never stops for one."""
+def test_a_drafter_near_break_even_re_times_plain_steps_the_more_often_the_nearer_it_is():
+    """Plain steps timed in a busy minute (2 s) make a drafter at 2 tokens per 3.6 s look as if it paid (1.11x): its
+    steps decode plainly at intervals that cost at most 0.5% of its speed (every 22nd step here), and once those
+    (1 s now) outnumber the stale ones it loses and waits. At 1.18x (2 tokens per 1.7 s) every 32nd step decodes
+    plainly; a drafter 25% or more ahead of plain steps never stops for one."""
     stale, ahead = AdaptiveDraftPolicy(max_draft=1), AdaptiveDraftPolicy(max_draft=1)
     for policy in (stale, ahead):
         for _ in range(3):
             policy.record(_step(proposed=0, accepted=0, seconds=2.0))
     probes = _decode(stale, 300, _step(proposed=1, accepted=1, seconds=2.6, draft=1.0, confidences=[0.9]))
-    assert probes[:48] == [i for i in range(51) if i not in (16, 33, 50)]
-    assert len(probes) < 60 and stale.backoff == stale.max_backoff and stale.costs.plain_step_seconds() == 1.0
+    assert probes[:63] == [i for i in range(65) if i not in (21, 43)]
+    assert len(probes) < 70 and stale.backoff == stale.max_backoff and stale.costs.plain_step_seconds() == 1.0
     assert _decode(ahead, 300, _step(proposed=1, accepted=1, seconds=2.0, draft=0.4, confidences=[0.9])) == list(
         range(300)
     )
+    closer = AdaptiveDraftPolicy(max_draft=1)
+    _time_plain_steps(closer)
+    probes = _decode(closer, 300, _step(proposed=1, accepted=1, seconds=1.5, draft=0.2, confidences=[0.9]))
+    assert probes == [i for i in range(300) if i % 32 != 31]
     near = AdaptiveDraftPolicy(max_draft=1)  # a new call that starts with an empty window drafts its first step
     _time_plain_steps(near)
     _decode(near, 16, _step(proposed=1, accepted=1, seconds=1.6, draft=0.1, confidences=[0.9]))
@@ -530,6 +584,22 @@ def test_adaptive_is_the_default_and_skips_an_untrained_drafter_losslessly(tiny_
     assert stats.schedule == "adaptive" and stats.skipped_share > 0.5
     assert stats.decoding_steps == stats.target_forwards - 1 and stats.drafted_per_step < 7 / 2
     assert len(stats.step_seconds) == len(stats.accepted_per_step) == len(stats.proposed_per_step)
+
+
+def test_the_first_drafted_step_and_each_after_skipped_ones_are_marked_as_catching_up(tiny_target, monkeypatch):
+    """They are the steps whose drafter forward also took in the prompt or the skipped steps' context; the schedule
+    judges them with a typical drafter forward (`test_a_probe_is_judged_without_the_context_it_caught_up_on`)."""
+    drafts = iter([True, True, False, False, True, True, False, True] + [True] * 20)
+    monkeypatch.setattr(AdaptiveDraftPolicy, "should_draft", lambda self: next(drafts))
+    steps = []
+    monkeypatch.setattr(AdaptiveDraftPolicy, "record", lambda self, step: steps.append(step))
+    drafter = _untrained(tiny_target, "adaptive")
+    prompt = torch.tensor([[5, 17, 33, 9, 250, 12]])
+    out = tiny_target.generate(prompt, assistant_model=drafter, max_new_tokens=12)
+    assert torch.equal(out, tiny_target.generate(prompt, max_new_tokens=12))
+    marks = [(bool(step.drafter_forwards), step.caught_up) for step in steps[:8]]
+    drafted, skipped = (True, False), (False, False)
+    assert marks == [(True, True), drafted, skipped, skipped, (True, True), drafted, skipped, (True, True)]
 
 
 def test_constant_schedule_drafts_every_step(tiny_target):
