@@ -358,11 +358,12 @@ class AdaptiveDraftPolicy(DraftPolicy):
         (native MTP k=1 here: 0.66x to 1.7x of plain decoding by prompt), so a drafter whose drafted steps paid over
         the calls so far (the last 512, within `break_even_margin`) starts the call drafting with an empty window,
         however the last call ended. One that lost widely (an untrained one) keeps its wait, and later calls cost
-        no probes. One in between keeps its window and at most 64 steps of its wait: the shipped drafter at T=1, at
-        0.6x of plain sampling, read 0.8x-0.98x on a busy minute's timings, and each fresh start then drafted 16
-        steps and more; native MTP k=1 near break-even, whose plain steps' timings drift by a fifth from minute to
-        minute, is not kept waiting through calls it would have won. They are judged against plain steps as timed
-        now, not when they ran: the machine's load drifts between calls."""
+        no probes. One in between keeps its window and at most 16 steps of its wait (and a backoff of at most 64):
+        the shipped drafter at T=1, at 0.6x of plain sampling, read 0.8x-0.98x on a busy minute's timings, and
+        each fresh start then drafted 16 steps and more; native MTP k=1 near break-even, whose plain steps' timings
+        drift by a fifth from minute to minute, is not kept waiting through calls it would have won (64 steps of a
+        wait carried from a hard prompt into an easy one were 40% of a call). They are judged against plain steps as
+        timed now, not when they ran: the machine's load drifts between calls."""
         if not self.long_run:
             return
         if self._pays(*self.long_run.typical()):
@@ -370,7 +371,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
             self.backoff, self.plain_steps_left = 1, 0
         elif not self._loses_widely(self.long_run):
             self.backoff = min(self.backoff, self.max_short_backoff)
-            self.plain_steps_left = min(self.plain_steps_left, self.max_short_backoff)
+            self.plain_steps_left = min(self.plain_steps_left, self.drafting_window)
 
     def decodes_plainly(self, steps: int) -> bool:
         """Before a call: whether its next `steps` steps all decode plainly (then plain decoding's own loop runs
@@ -519,12 +520,14 @@ class AdaptiveDraftPolicy(DraftPolicy):
             self.plain_steps_left = self.backoff if self.backoff > 1 else 0
         else:  # a wait past 64 steps needs a full window that loses widely (a first call's one-off costs can make
             # one step lose; near break-even, a probe costs little and this machine's timings drift by more) in a
-            # long run that did not pay: a hard stretch of text left HyperDFlash at T=0, twice as fast as plain
-            # decoding over the calls, waiting through the rest of a call
+            # long run that lost widely too: a hard stretch of text left HyperDFlash at T=0, twice as fast as plain
+            # decoding over the calls, waiting through the rest of a call, and native MTP k=1, near break-even over
+            # the calls, waited 256 steps on an easy prompt after one rejected probe while its window still held
+            # a hard prompt's steps (0.86x of the fixed schedule on it)
             self.plain_steps_left = self.backoff
             window = self.recent_drafted_steps
             wide = len(window) == self.drafting_window and self._loses_widely(window)
-            wide = wide and not self._pays(*self.long_run.typical())
+            wide = wide and self._loses_widely(self.long_run)
             self.backoff = min(
                 self.backoff_growth * self.backoff, self.max_backoff if wide else self.max_short_backoff
             )

@@ -293,7 +293,7 @@ def test_a_new_call_drafts_again_when_drafting_paid_over_the_calls_so_far():
 
 def test_near_break_even_waits_stay_short_also_into_the_next_call():
     """A drafter that loses by less than a fifth (here 1 token per 1.1 s against plain steps' 1 per second: its
-    drafts all cut, so no doubt keeps it on) waits 64 steps at most, and a new call keeps its window and at most 64
+    drafts all cut, so no doubt keeps it on) waits 64 steps at most, and a new call keeps its window and at most 16
     steps of the wait (a fresh start drafted a full window again each call); one that loses widely keeps a wait of
     up to 1024 steps (`test_losing_drafts_back_off_fourfold...`), one that paid starts drafting
     (`test_a_new_call_drafts_again...`)."""
@@ -305,7 +305,7 @@ def test_near_break_even_waits_stay_short_also_into_the_next_call():
     assert gaps[:4] == [1, 4, 16, 64] and set(gaps[4:]) == {64}
     policy.backoff, policy.plain_steps_left = 256, 200  # as a hard stretch's wide window could have left it
     policy.begin_call()
-    assert (policy.backoff, policy.plain_steps_left, len(policy.recent_drafted_steps)) == (64, 64, 16)
+    assert (policy.backoff, policy.plain_steps_left, len(policy.recent_drafted_steps)) == (64, 16, 16)
     assert not policy.should_draft()
 
 
@@ -317,6 +317,21 @@ def test_a_drafter_that_paid_over_the_long_run_waits_short_through_a_hard_stretc
     probes = _decode(policy, 2000, _step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.5]))
     gaps = _gaps(probes)
     assert max(gaps) == 64 and gaps.count(64) > 10
+
+
+def test_waits_past_64_steps_need_a_long_run_that_lost_widely_too():
+    """A hard stretch after 300 drafted steps near break-even (1 token per 1.1 s, 0.91x of plain steps) fills
+    the window with steps that lose widely (1 token per 1.5 s): the waits stop at 64 steps, as the next easier text
+    may pay again. A drafter whose every drafted step lost widely waits up to 1024."""
+    near, losing = AdaptiveDraftPolicy(max_draft=1), AdaptiveDraftPolicy(max_draft=1)
+    for policy in (near, losing):
+        _time_plain_steps(policy)
+    for _ in range(300):
+        near.long_run.append(DraftedStep(tokens=1, verified=1, seconds=1.1))
+    assert not near._loses_widely(near.long_run)
+    hard = _step(proposed=1, accepted=0, seconds=1.0, draft=0.5, confidences=[0.5])
+    assert max(_gaps(_decode(near, 3000, hard))) == 64 and near._loses_widely(near.recent_drafted_steps)
+    assert max(_gaps(_decode(losing, 3000, hard))) == 1024
 
 
 def test_a_window_that_loses_narrowly_does_not_outvote_a_long_run_that_paid():
