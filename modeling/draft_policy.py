@@ -11,12 +11,12 @@ same, so no cost is assumed. Drafting is judged against plain steps as timed: a 
 a drafter near break-even, decodes one plainly after 16 drafted steps (or more, the more drafting gains). When
 drafting loses (over the last 16 drafted steps; where the last 128 and more paid, only when those 16 lose widely),
 steps decode plainly with no drafter forward, and a probe drafts again after a backoff that grows fourfold while
-probes keep losing (past 64 steps only when drafting loses widely); a call that would decode plainly from start to
-end runs plain decoding's own loop. A probe is judged as the steps after it would run, without the skipped context
-it caught up on.
+probes keep losing (past 64 steps only when drafting loses widely, in the window and over the calls); a call that
+would decode plainly from start to end runs plain decoding's own loop. A probe is judged as the steps after it would
+run, without the skipped context it caught up on.
 Under "adaptive" what it learned (calibration, costs, how drafted steps fared) carries over to the drafter's next call
 with the same target and setting (`ScheduleMemory`), and so does a wait unless drafting paid over the calls so far
-(how well a drafter does depends on the text; up to 64 steps of it unless they lost widely); "adaptive_transient"
+(how well a drafter does depends on the text; up to 16 steps of it unless they lost widely); "adaptive_transient"
 learns from nothing in every call.
 
 `HeuristicDraftPolicy` ("heuristic", "heuristic_transient") and `ConfidenceThreshold`
