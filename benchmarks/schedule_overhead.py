@@ -13,43 +13,22 @@ why), then their medians over prompts.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
-from unittest import mock
 
 import torch
-from skip_overhead import MEASURES, timed  # this folder's: what it times, and how
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from skip_overhead import MEASURES, load_pair, parse_arguments, skipping_call, timed  # this folder's
 
 from hf_hyperdflash import reference
-from hf_hyperdflash.modeling.draft_policy import AdaptiveDraftPolicy
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
 SCHEDULES = ("constant", "adaptive")
-
-
-def under(schedule: str, decode, drafter):
-    """A call of `decode` under `schedule`, drafting every step."""
-
-    def call():
-        drafter.generation_config.num_assistant_tokens_schedule = schedule
-        with mock.patch.object(AdaptiveDraftPolicy, "should_draft", lambda self: True):
-            return decode(assistant_model=drafter)
-
-    return call
+ALWAYS_DRAFTING = {"should_draft": lambda self: True}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
-    target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32).eval()
-    drafter = AutoModel.from_pretrained(reference.mtp_path(), dtype=torch.float32).eval()
+    args = parse_arguments(__doc__, prompts=6)
+    tokenizer, target, drafter = load_pair(reference.mtp_path())
     drafter.generation_config.num_assistant_tokens = 1
     ratios: dict[str, list[float]] = {name: [] for name in MEASURES}
     for chat in load_prompts("sharegpt", "held_out", args.prompts, max_chars=2000):
@@ -57,8 +36,10 @@ def main() -> None:
         decode = functools.partial(target.generate, input_ids, max_new_tokens=args.max_new_tokens)
         per_repeat: dict[str, list[float]] = {name: [] for name in ratios}
         for repeat in range(args.repeats):  # the order alternates, so a drift favours neither
-            order = SCHEDULES if repeat % 2 else SCHEDULES[::-1]
-            seconds = {schedule: timed(under(schedule, decode, drafter), target) for schedule in order}
+            seconds = {}
+            for schedule in SCHEDULES if repeat % 2 else SCHEDULES[::-1]:
+                drafter.generation_config.num_assistant_tokens_schedule = schedule
+                seconds[schedule] = timed(skipping_call(decode, drafter, ALWAYS_DRAFTING), target)
             for name in ratios:
                 per_repeat[name].append(seconds["constant"][name] / seconds["adaptive"][name])
         for name, values in per_repeat.items():

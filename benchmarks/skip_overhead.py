@@ -60,16 +60,27 @@ def skipping_call(decode: Callable, drafter, patches: dict[str, Callable]) -> Ca
     return call
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=8)
+def parse_arguments(description: str, prompts: int) -> argparse.Namespace:
+    """This folder's timing benchmarks' options: how many held-out prompts, repeats and new tokens."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=prompts)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def load_pair(drafter_path) -> tuple:
+    """The shipped tokenizer and target with the drafter at `drafter_path`, in float32 on one torch thread."""
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
     target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32).eval()
-    drafter = AutoModel.from_pretrained(reference.drafter_path("hyperdflash"), dtype=torch.float32).eval()
+    drafter = AutoModel.from_pretrained(drafter_path, dtype=torch.float32).eval()
+    return tokenizer, target, drafter
+
+
+def main() -> None:
+    args = parse_arguments(__doc__, prompts=8)
+    tokenizer, target, drafter = load_pair(reference.drafter_path("hyperdflash"))
     ratios = {(way, name): [] for way in SKIPPING for name in MEASURES}
     for chat in load_prompts("sharegpt", "held_out", args.prompts, max_chars=2000):
         input_ids = torch.tensor([encode_prompt(tokenizer, chat, enable_thinking=False)])
