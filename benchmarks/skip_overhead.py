@@ -2,10 +2,13 @@
 
     python benchmarks/skip_overhead.py [--prompts 8] [--repeats 6] [--max-new-tokens 128]
 
-The adaptive schedule decodes plainly when drafting loses. Inside a call that drafts at all, such a step still runs
-in transformers' assisted loop, with the rewindable cache and the feature-capture hook: "in the assisted loop" forces
-every step to skip (the shipped HyperDFlash drafter never drafts), so its ratio is that overhead alone. A call whose
-every step falls in the schedule's wait runs plain decoding's own loop instead: "whole call" forces that. Prints, per
+The adaptive schedule decodes plainly when drafting loses. A wait shorter than 16 steps runs in transformers' assisted
+loop, with the rewindable cache and the feature-capture hook: "in the assisted loop" forces every step to skip there
+(the shipped HyperDFlash drafter never drafts), so its ratio is that overhead alone. A longer wait inside a call runs
+as a plain stretch, in plain decoding's own loop (`modeling/stretches.py`): "in 64-step waits inside a call" forces
+a 64-step wait after every step the assisted loop runs (each wait ends, as a probe would, with a step of the assisted
+loop, here one that skips drafting too), so its ratio is plain stretches' overhead, switching loops included. A call
+whose every step falls in the schedule's wait runs plain decoding's loop from its start: "whole call". Prints, per
 prompt, the median over interleaved repeats of plain / speculative time, by the wall clock, by the process's CPU
 time (one torch thread), and per step: the median interval between consecutive target forwards after the prefill,
 which a burst of load on a shared machine moves far less than a whole call's time (calls here scatter by 10-20%
@@ -32,8 +35,21 @@ from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 MEASURES = (*CLOCKS, "per step")
+WAIT = 64  # steps of each wait "in waits inside a call"
+
+
+def _wait_after_each_step(self, step) -> None:
+    """After each step the assisted loop runs, a wait of `WAIT` steps (which plain stretches run)."""
+    self.plain_steps_left = WAIT
+
+
 SKIPPING = {  # how the schedule is forced to skip every step
     "in the assisted loop": {"should_draft": lambda self: False},
+    f"in {WAIT}-step waits inside a call": {
+        "decodes_plainly": lambda self, steps: False,
+        "should_draft": lambda self: False,
+        "record": _wait_after_each_step,
+    },
     "whole call": {"decodes_plainly": lambda self, steps: True},
 }
 

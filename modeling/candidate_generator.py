@@ -186,6 +186,9 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
     generators do. When the call continues from a cache that already holds a prefix of the prompt,
     that prefill feeds only the rest, as plain decoding does (transformers' assisted loop would feed
     the whole prompt again on top of the cache); the drafter's context then starts at the new tokens.
+    One generator serves every assisted stretch of a call (`stretches.py`): the features of the steps
+    a plain stretch decoded reach it through `decoded_plainly`, and a later stretch's first forward,
+    over the newest token alone, is one more step that skipped drafting.
     The draft policy decides each step whether to draft and how many drafts to verify, and an
     `assistant_confidence_threshold` may end the drafts earlier; a step that skips drafting returns no
     candidates, so the target decodes one token as plain decoding would (with nothing timed but the step,
@@ -199,8 +202,9 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         *,
         proposer: BlockProposer | MTPProposer,
         capture: FeatureCapture,
+        prompt_length: int,
         max_length: int,
-        pick: TokenPicker,
+        pick: TokenPicker | None,
         policy: DraftPolicy,
         threshold: ConfidenceThreshold | None,
         stats: GenerationStats,
@@ -208,15 +212,38 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
     ):
         self.proposer, self.capture, self.pick, self.stats = proposer, capture, pick, stats
         self.policy, self.threshold, self.max_length = policy, threshold, max_length
-        self.prompt_length: int | None = None
+        self.prompt_length = prompt_length
         self.consumed = 0  # leading positions whose features were taken (fed to the drafter or pending)
         self.model_kwargs_overrides: dict = {}  # merged into the target's forward inputs by transformers
         # Verified features the drafter has not seen yet, one piece per step: joined once, when it next drafts
         self.pending: list[torch.Tensor] = []
         self.drafted_last_step = False  # else the next draft also takes in the prompt or skipped steps' context
+        self.first_forward_is_prefill = True  # else a plain stretch made the prefill
         self.timer = timer
         timer.on_close = self._iteration_done
         self._new_step()
+
+    def _take_verified(self, length: int) -> None:
+        """Of the last target forward's positions, those now verified (all but the newest of `length` tokens) go to
+        the drafter's next forward."""
+        num_new = length - 1 - self.consumed
+        if num_new > 0:
+            self.pending.append(self.capture.features()[:, :num_new])
+            self.consumed = length - 1
+
+    def stretch_ended(self, length: int) -> None:
+        """An assisted stretch stopped at `length` tokens: keep its last forward's verified features, which the
+        next step would have taken."""
+        self._take_verified(length)
+
+    def decoded_plainly(self, forward_features: list[torch.Tensor], steps: int) -> None:
+        """A plain stretch decoded `steps` steps (after a prefill, if it started the call) with these forwards'
+        features: the drafter takes them in when it next drafts."""
+        self.pending += forward_features
+        self.consumed += sum(features.shape[1] for features in forward_features)
+        self.stats.target_forwards += len(forward_features)
+        self.stats.skipped_steps += steps
+        self.drafted_last_step = self.first_forward_is_prefill = False
 
     def _new_step(self) -> None:
         self.confidences: list[float] = []
@@ -243,7 +270,8 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         self.stats.target_forwards += 1
         self._new_step()
         if is_first_iteration:
-            self.prompt_length = input_ids.shape[1]
+            if self.stats.target_forwards > 1:  # a later stretch's first forward: one token, no draft
+                self.stats.skipped_steps += 1
             self.consumed = model_kwargs[CACHE_ARGUMENT].get_seq_length()
             self.model_kwargs_overrides = {}
             if self.consumed:
@@ -256,9 +284,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
 
         # The last target forward covered the tokens after the previous verified prefix; of those,
         # everything but the newest (bonus) token of input_ids is verified now.
-        num_new = input_ids.shape[1] - 1 - self.consumed
-        self.pending.append(self.capture.features()[:, :num_new])
-        self.consumed = input_ids.shape[1] - 1
+        self._take_verified(input_ids.shape[1])
 
         num_tokens = min(self.policy.draft_length, self.max_length - input_ids.shape[1] - 1)
         if num_tokens <= 0:
@@ -298,7 +324,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
 
     def _iteration_done(self, timing: IterationTiming) -> None:
         """Record the closed iteration's timings (steps that verified drafts) and let the policy learn from it."""
-        if timing.index == 1:
+        if timing.index == 1 and self.first_forward_is_prefill:
             self.stats.prefill_seconds = timing.seconds
             return
         if self.last_proposed:

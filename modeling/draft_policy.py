@@ -47,6 +47,7 @@ from .draft_options import (
     HEURISTIC_TRANSIENT_SCHEDULE,
     MAX_MTP_DEPTH,
 )
+from .stretches import MIN_PLAIN_STRETCH
 
 
 @dataclass
@@ -706,9 +707,23 @@ class CallSchedule:
         threshold = drafter.generation_config.assistant_confidence_threshold
         self.threshold = ConfidenceThreshold(float(threshold)) if threshold else None
 
+    @property
+    def may_wait(self) -> bool:
+        """Whether steps may skip drafting for a while ("adaptive"): then the call runs its waits in plain
+        decoding's loop (`stretches.py`)."""
+        return isinstance(self.policy, AdaptiveDraftPolicy)
+
     def decodes_plainly(self, steps: int) -> bool:
         """The call's `steps` steps would all skip drafting: what "adaptive" learned says drafting loses for longer."""
-        return isinstance(self.policy, AdaptiveDraftPolicy) and self.policy.decodes_plainly(steps)
+        return self.may_wait and self.policy.decodes_plainly(steps)
+
+    def plain_stretch(self, steps_left: int) -> int:
+        """How many of the call's next steps (of `steps_left`) to decode in plain decoding's loop: the rest of the
+        wait, when it is `MIN_PLAIN_STRETCH` steps or more or reaches the call's end; else none."""
+        if not self.may_wait or steps_left <= 0:
+            return 0
+        wait = self.policy.plain_steps_left
+        return min(wait, steps_left) if wait >= min(MIN_PLAIN_STRETCH, steps_left) else 0
 
     def finish(self) -> None:
         if self.name == ADAPTIVE_SCHEDULE:

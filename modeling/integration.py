@@ -17,12 +17,13 @@ target's.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedModel
@@ -46,6 +47,7 @@ from .request_checks import (
 )
 from .step_timer import StepTimer, decode_step_seconds, synchronized_clock
 from .stopping import HeldBackStreamer, PerTokenStopping
+from .stretches import PlainStretchStopping, SharedBuilds, StretchStreamer, continued_generation_config, join_outputs
 from .target_base import HyperConnectionTarget
 from .targets import TARGET_FAMILIES, get_target_adapter
 from .transformers_compat import CACHE_ARGUMENT, CACHE_ARGUMENTS, pop_user_cache
@@ -66,6 +68,10 @@ class GenerateRequest:
     kwargs: dict  # its other keyword arguments (model inputs, generation options), the cache taken out
     cache: Cache | None  # the cache the caller passed in, under either name
     generation_config: GenerationConfig
+    model_kwargs: dict  # `kwargs` less the generation options, which `generation_config` holds
+
+    # Model inputs that `_prepare_generation_config` passes on although generate() reads them from the config
+    CONFIG_INPUTS = ("output_attentions", "output_hidden_states")
 
     @classmethod
     def from_arguments(cls, model: PreTrainedModel, bound: dict) -> GenerateRequest:
@@ -73,8 +79,20 @@ class GenerateRequest:
         arguments = {name: value for name, value in bound.items() if name not in ("self", "kwargs")}
         extra = dict(bound.get("kwargs", {}))
         cache = pop_user_cache(extra)
-        generation_config, _ = model._prepare_generation_config(arguments.get("generation_config"), **extra)
-        return cls(model, arguments, extra, cache, generation_config)
+        generation_config, model_kwargs = model._prepare_generation_config(arguments.get("generation_config"), **extra)
+        model_kwargs = {name: value for name, value in model_kwargs.items() if name not in cls.CONFIG_INPUTS}
+        return cls(model, arguments, extra, cache, generation_config, model_kwargs)
+
+    def continued(self, sequences: torch.LongTensor, streamer: StretchStreamer | None) -> GenerateRequest:
+        """This call as a later stretch that continues from `sequences` (the target cache holds all but the newest
+        token): the same options for the tokens left, the caller's mask extended over what was decoded."""
+        config = continued_generation_config(self.generation_config, self.max_length - sequences.shape[1])
+        arguments = self.arguments | {"inputs": sequences, "generation_config": config, "streamer": streamer}
+        kwargs = {name: value for name, value in self.model_kwargs.items() if name != "input_ids"}
+        # All ones, as plain decoding's stays (a stretched call's prompt has no padding): inferred from padding
+        # tokens instead, the mask would hide the generated ones
+        kwargs["attention_mask"] = torch.ones_like(sequences)
+        return replace(self, arguments=arguments, kwargs=kwargs, generation_config=config)
 
     @property
     def input_ids(self) -> torch.LongTensor | None:
@@ -90,11 +108,20 @@ class GenerateRequest:
         return config.max_length - self.input_ids.shape[1]
 
     @property
+    def max_length(self) -> int:
+        """The longest sequence the call may return."""
+        return self.input_ids.shape[1] + self.new_token_budget
+
+    @property
     def positions_may_lag_cache(self) -> bool:
         """Position ids may fall behind cache indices: they are passed in, or generate() derives them from an
-        `attention_mask` with zeros."""
+        `attention_mask` with zeros, passed in or inferred from padding tokens in the prompt."""
+        if "position_ids" in self.kwargs:
+            return True
         mask = self.kwargs.get("attention_mask")
-        return "position_ids" in self.kwargs or (mask is not None and not bool(mask.all()))
+        if mask is None:
+            return masks_padding(self.input_ids, self.generation_config)
+        return not bool(mask.all())
 
     @property
     def asks_attentions_it_cannot_get(self) -> bool:
@@ -105,10 +132,33 @@ class GenerateRequest:
         return bool(config.output_attentions and config.return_dict_in_generate) and implementation != "eager"
 
 
+def masks_padding(input_ids: torch.LongTensor, generation_config: GenerationConfig) -> bool:
+    """Whether generate(), given no attention mask, infers one with zeros for this prompt: it holds the padding
+    token, which is no end-of-sequence token (transformers' `_prepare_attention_mask_for_generation`; without a
+    padding token generate() pads with the first end-of-sequence token, and infers nothing)."""
+    pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
+    if pad is None:
+        return False
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return pad not in eos_ids and bool((input_ids == pad).any())
+
+
 def _call_cache(target: HyperConnectionTarget, cache: Cache | None, max_draft: int) -> Cache:
     """The target cache of this call: a new rewindable one, or the caller's, made rewindable in place (and made
     stock again when the call ends, `_exact_assisted_call`)."""
     return target.make_cache(max_draft) if cache is None else target.adopt_cache(cache, max_draft)
+
+
+def _set_generation_options(arguments: dict, kwargs: dict, options: dict) -> None:
+    """Set generation `options` for a generate() call of `arguments` and `kwargs`: in its `generation_config`
+    argument, if it has one and passes no such option itself (transformers warns when a call passes both), else as
+    keyword arguments."""
+    config = arguments.get("generation_config")
+    if config is None or options.keys() & kwargs.keys():
+        kwargs.update(options)
+    else:
+        arguments["generation_config"] = config = copy.deepcopy(config)
+        config.update(**options)
 
 
 def _exact_assisted_call(
@@ -117,11 +167,14 @@ def _exact_assisted_call(
     request: GenerateRequest,
     cache: Cache,
     build_candidate_generator: Callable,
+    shared: SharedBuilds | None = None,
+    hand_over: Callable[[int], bool] | None = None,
 ):
     """transformers' assisted loop, made to return plain decoding's result on an mHC target: a rewindable cache,
     stopping criteria per accepted token (the streamer held back one step), per-token hidden states and attentions,
     verify rows that see what one-token decoding sees. `build_candidate_generator(original, **options)` stands in
-    for the target's `_get_candidate_generator` in this call."""
+    for the target's `_get_candidate_generator` in this call. In a stretched call, the stopping criteria are the
+    call's `shared` ones, and the loop also stops once `hand_over(sequence length)` says so."""
     prompt_length = request.input_ids.shape[1]
     arguments = dict(request.arguments)
     if arguments.get("streamer") is not None:
@@ -131,14 +184,17 @@ def _exact_assisted_call(
     def stopping_criteria(build: Callable, **options) -> PerTokenStopping:
         if stopping:  # a generate() nested in this call on the same model (a target that is its own assistant)
             return build(**options)
-        stopping.append(PerTokenStopping(build(**options), prompt_length, arguments.get("streamer")))
+        criteria = shared.reuse("stopping_criteria")(build, **options) if shared is not None else build(**options)
+        stopping.append(PerTokenStopping(criteria, prompt_length, arguments.get("streamer"), hand_over))
         return stopping[-1]
 
     # "dynamic" (perhaps from the target's generation_config.json) is what the rewindable cache is.
-    kwargs = request.kwargs | {CACHE_ARGUMENT: cache, "cache_implementation": None}
+    options = {"cache_implementation": None}
     no_attentions = request.asks_attentions_it_cannot_get
     if no_attentions:  # transformers' assisted loop would index the empty attentions a non-eager model returns
-        kwargs["output_attentions"] = False
+        options["output_attentions"] = False
+    kwargs = request.kwargs | {CACHE_ARGUMENT: cache}
+    _set_generation_options(arguments, kwargs, options)
     stateful = getattr(type(target.model), "_is_stateful", False)
     try:
         with (
@@ -185,23 +241,123 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     cache = _call_cache(target, request.cache, max_draft)
     timer = StepTimer()
     with target.capture(proposer.feature_layers) as capture, timer.attach(cache):
+        generator = SpeculativeCandidateGenerator(
+            proposer=proposer,
+            capture=capture,
+            prompt_length=request.input_ids.shape[1],
+            max_length=request.max_length,
+            pick=None,
+            policy=schedule.policy,
+            threshold=schedule.threshold,
+            stats=stats,
+            timer=timer,
+        )
 
         def candidate_generator(_original, generation_config, logits_processor, **_) -> SpeculativeCandidateGenerator:
-            return SpeculativeCandidateGenerator(
-                proposer=proposer,
-                capture=capture,
-                max_length=generation_config.max_length,
-                pick=TokenPicker(logits_processor, bool(generation_config.do_sample)),
-                policy=schedule.policy,
-                threshold=schedule.threshold,
-                stats=stats,
-                timer=timer,
-            )
+            generator.pick = TokenPicker(logits_processor, bool(generation_config.do_sample))
+            return generator
 
-        output = _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
+        # A padded prompt's positions lag the cache: its stretches would need position ids carried over
+        if schedule.may_wait and not request.positions_may_lag_cache:
+            call = _StretchedCall(original_generate, target, request, cache, schedule, generator, candidate_generator)
+            output = call.run()
+        else:
+            output = _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
     schedule.finish()  # after the timer closed the last step, which the schedule learns from too
     _record_call(stats, output, request, drafter, start)
     return output
+
+
+class _StretchedCall:
+    """A call whose schedule may wait: assisted stretches, and plain decoding's own loop through each wait of
+    `MIN_PLAIN_STRETCH` steps or more (`stretches.py`), joined into one call's result."""
+
+    def __init__(
+        self,
+        original_generate: Callable,
+        target: HyperConnectionTarget,
+        request: GenerateRequest,
+        cache: Cache,
+        schedule: CallSchedule,
+        generator: SpeculativeCandidateGenerator,
+        build_candidate_generator: Callable,
+    ):
+        self.original_generate, self.target, self.request, self.cache = original_generate, target, request, cache
+        self.schedule, self.generator, self.build_candidate_generator = schedule, generator, build_candidate_generator
+        self.shared = SharedBuilds()
+
+    def run(self):
+        """Stretch after stretch until the call's stopping criteria stop one, or its budget is spent."""
+        request, output = self.request, None
+        streamer = request.arguments.get("streamer")
+        stream = StretchStreamer(streamer) if streamer is not None else None
+        stretch = replace(request, arguments=request.arguments | {"streamer": stream}) if stream else request
+        with call_scope.methods(request.model, _get_logits_processor=self.shared.reuse("logits_processor")):
+            while True:
+                plain_steps = self._plain_steps(stretch.input_ids.shape[1])
+                result, stopped = self._plain(stretch, plain_steps) if plain_steps else self._assisted(stretch)
+                output = result if output is None else join_outputs(output, result)
+                sequences = result if isinstance(result, torch.Tensor) else result.sequences
+                if stopped or sequences.shape[1] >= request.max_length:
+                    break
+                if stream is not None:
+                    stream.next_stretch()
+                stretch = request.continued(sequences, stream)
+        if stream is not None:
+            stream.finish()
+        return output
+
+    def _plain_steps(self, length: int) -> int:
+        return self.schedule.plain_stretch(self.request.max_length - length)
+
+    def _assisted(self, stretch: GenerateRequest) -> tuple[object, bool]:
+        """An assisted stretch, until the schedule waits long enough for plain decoding's loop to pay."""
+        handed_over = []
+
+        def hand_over(length: int) -> bool:
+            handed_over.append(self._plain_steps(length) > 0)
+            return handed_over[-1]
+
+        cache = self.target.adopt_cache(self.cache, self.schedule.policy.max_draft)
+        output = _exact_assisted_call(
+            self.original_generate,
+            self.target,
+            stretch,
+            cache,
+            self.build_candidate_generator,
+            self.shared,
+            hand_over,
+        )
+        self.generator.timer.close()  # its last step, which the schedule learns from before deciding what follows
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        self.generator.stretch_ended(sequences.shape[1])
+        return output, not (handed_over and handed_over[-1])
+
+    def _plain(self, stretch: GenerateRequest, steps: int) -> tuple[object, bool]:
+        """`steps` steps of the schedule's wait in plain decoding's loop, from the call's stock cache; the drafter
+        gets their features when it next drafts."""
+        self.target.release_cache(self.cache)
+        stopping: list[PlainStretchStopping] = []
+        end_length = stretch.input_ids.shape[1] + steps
+
+        def stopping_criteria(build: Callable, *args, **kwargs) -> PlainStretchStopping:
+            criteria = self.shared.reuse("stopping_criteria")(build, *args, **kwargs)
+            stopping.append(PlainStretchStopping(criteria, end_length))
+            return stopping[-1]
+
+        features = []
+        capture = self.generator.capture
+        with (
+            call_scope.CallHooks() as hooks,
+            call_scope.methods(stretch.model, _get_stopping_criteria=stopping_criteria),
+        ):
+            hooks.after(stretch.model, lambda *_: features.append(capture.features()))
+            output, step_seconds = _timed_plain_generate(self.original_generate, stretch, self.cache)
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        decoded = sequences.shape[1] - stretch.input_ids.shape[1]
+        self.generator.decoded_plainly(features, decoded - self.generator.first_forward_is_prefill)
+        self.schedule.policy.skip(decoded, step_seconds)
+        return output, stopping[0].stopped
 
 
 def _record_call(
@@ -215,6 +371,18 @@ def _record_call(
     drafter.last_generation_stats = stats
 
 
+def _timed_plain_generate(original_generate: Callable, request: GenerateRequest, cache: Cache | None):
+    """Plain decoding of `request` (from `cache`, if given), and the seconds of its steps: from one target forward's
+    start to the next's."""
+    arguments = {name: value for name, value in request.arguments.items() if name != "assistant_model"}
+    cache_argument = {CACHE_ARGUMENT: cache} if cache is not None else {}
+    forward_starts: list[float] = []
+    with call_scope.CallHooks() as hooks:
+        hooks.before(request.model, lambda *_: forward_starts.append(synchronized_clock()))
+        output = original_generate(request.model, **arguments, **request.kwargs, **cache_argument)
+    return output, decode_step_seconds(forward_starts)
+
+
 def _plain_call(
     original_generate: Callable,
     request: GenerateRequest,
@@ -226,21 +394,14 @@ def _plain_call(
 ):
     """A call the learned schedule would decode plainly from its first step to its last: plain decoding's own loop
     and cache, without the assisted loop's per-step work, and the schedule counts its steps as decoded plainly and
-    learns what they took (from one target forward's start to the next's: most plain steps of a session run here). A
-    cache the caller passed is checked as a drafting call checks it, and left as plain decoding's, as one leaves it."""
-    arguments = {name: value for name, value in request.arguments.items() if name != "assistant_model"}
-    cache = {}
+    learns what they took (most plain steps of a session run here or in a call's plain stretches). A cache the
+    caller passed is checked as a drafting call checks it, and left as plain decoding's, as one leaves it."""
     if request.cache is not None:
         target.release_cache(_call_cache(target, request.cache, max_draft))
-        cache = {CACHE_ARGUMENT: request.cache}
-    forward_starts: list[float] = []
-    with call_scope.CallHooks() as hooks:
-        hooks.before(request.model, lambda *_: forward_starts.append(synchronized_clock()))
-        output = original_generate(request.model, **arguments, **request.kwargs, **cache)
+    output, step_seconds = _timed_plain_generate(original_generate, request, request.cache)
     stats = GenerationStats(num_draft_tokens=schedule.policy.max_draft, schedule=schedule.name)
     _record_call(stats, output, request, drafter, start)
     stats.target_forwards, stats.skipped_steps = stats.new_tokens, max(stats.new_tokens - 1, 0)
-    step_seconds = decode_step_seconds(forward_starts)
     schedule.policy.skip(stats.new_tokens, step_seconds)
     schedule.finish()
     return output

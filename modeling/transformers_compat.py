@@ -10,6 +10,10 @@ pinned by a test in `tests/test_transformers_internals.py`, run on both versions
   (test_assisted_decoding_builds_the_candidate_generator_with_keywords_only)
 - `GenerationMixin._get_stopping_criteria`: wrapped for one call on the target instance, to stop per token
   (test_generate_builds_the_stopping_criteria_once_with_keywords_only)
+- `GenerationMixin._get_logits_processor`: built once per generate() call on `self`; a stretched call hands the
+  first stretch's list to the later ones (`stretches.py`) (test_generate_builds_the_logits_processors_once)
+- generate()'s rule for a mask it infers from padding tokens (`_prepare_attention_mask_for_generation`), which
+  `integration.masks_padding` restates (test_masks_padding_is_the_rule_generate_infers_a_mask_by)
 - `CandidateGenerator.model_kwargs_overrides`: feeds only the uncached part of the prompt on the first forward
   (test_generation.py::test_continuing_from_a_returned_cache_matches_plain_decoding)
 - `CandidateGenerator.requires_model_outputs`: our generator receives each verify forward's outputs

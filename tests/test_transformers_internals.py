@@ -7,6 +7,7 @@ renames, reorders or reroutes any of these must fail here, by name, rather than 
 """
 
 import ast
+import copy
 import inspect
 import textwrap
 import tomllib
@@ -32,7 +33,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 import hf_hyperdflash.modeling
-from hf_hyperdflash.modeling import candidate_generator, transformers_compat
+from hf_hyperdflash.modeling import candidate_generator, integration, transformers_compat
 from hf_hyperdflash.modeling.indexer_ties import INDEXER_CLASSES
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
@@ -115,6 +116,31 @@ def test_generate_builds_the_stopping_criteria_once_with_keywords_only():
     assert not call.args and {"generation_config", "stopping_criteria"} <= _keywords(call)
     (check,) = [c for c in _calls(ASSISTED_DECODING, "stopping_criteria")]
     assert [arg.id for arg in check.args] == ["input_ids", "scores"]  # called once per step, after appending
+
+
+def test_generate_builds_the_logits_processors_once():
+    """A stretched call (`stretches.py`) hands the first stretch's processors to later stretches through a
+    per-instance `_get_logits_processor`: generate() must build them once, on `self`, and pass that list on."""
+    generate_source = ast.parse(textwrap.dedent(inspect.getsource(GenerationMixin.generate.__wrapped__)))
+    (call,) = _calls(generate_source, "_get_logits_processor")
+    assert isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+    assert not call.args and {"generation_config", "input_ids_seq_length", "logits_processor"} <= _keywords(call)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "pad", "eos"),
+    [([5, 0, 7], 0, 2), ([5, 0, 7], 0, [2, 0]), ([5, 6, 7], 0, 2), ([5, 0, 7], None, 2), ([5, 0, 7], 0, None)],
+)
+def test_masks_padding_is_the_rule_generate_infers_a_mask_by(prompt, pad, eos):
+    """Without an attention mask, generate() masks a prompt's padding tokens unless padding is an end-of-sequence
+    token (or there is no padding token); `integration.masks_padding` must say when it does."""
+    model = tiny_deepseek_v4()
+    config, _ = model._prepare_generation_config(None, pad_token_id=pad, eos_token_id=eos)
+    input_ids = torch.tensor([prompt])
+    prepared = copy.deepcopy(config)
+    model._prepare_special_tokens(prepared, kwargs_has_attention_mask=False, device=input_ids.device)
+    mask = model._prepare_attention_mask_for_generation(input_ids, prepared, {})
+    assert integration.masks_padding(input_ids, config) == (not bool(mask.all()))
 
 
 def test_assisted_decoding_reports_matches_to_the_generator():

@@ -1,0 +1,104 @@
+"""One speculative generate() call run as consecutive generate() calls ("stretches"): assisted ones, and plain
+decoding's own loop through the draft schedule's longer waits.
+
+A step that skips drafting inside transformers' assisted loop still pays that loop's and the runtime's per-step work
+(about 1.3% of a plain step on the reference pair); plain decoding's loop does not. So when the adaptive schedule
+decides to wait `MIN_PLAIN_STRETCH` steps or more, the assisted stretch stops and the wait runs as a plain stretch
+that continues from the target cache, then an assisted stretch resumes. Joined, they return what one call returns:
+logits processors and stopping criteria are built once, by the first stretch, and shared by every later one (so
+`min_new_tokens`, `max_time` and the like count from the call's start), the streamer sees the prompt once, each token
+once and one `end()`, and per-step outputs (scores, logits, hidden states, attentions) are concatenated.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+# Waits shorter than this stay in the assisted loop: switching loops costs about two steps' worth of per-call work
+# (two generate() set-ups and cache conversions), which a wait of 16 steps repays at a step's 1.3% saving.
+MIN_PLAIN_STRETCH = 16
+PER_STEP_OUTPUTS = ("scores", "logits", "attentions", "hidden_states")
+
+
+class StretchStreamer(BaseStreamer):
+    """The caller's streamer across stretches: each stretch's generate() puts its whole input first (the prompt, then
+    everything decoded so far) and ends; the caller sees the prompt once and `end()` once."""
+
+    def __init__(self, streamer: BaseStreamer):
+        self.streamer = streamer
+        self.skip_next_put = False
+
+    def next_stretch(self) -> None:
+        self.skip_next_put = True
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.skip_next_put:
+            self.skip_next_put = False
+        else:
+            self.streamer.put(value)
+
+    def end(self) -> None:
+        """A stretch ended; the call may go on (`finish` ends the caller's stream)."""
+
+    def finish(self) -> None:
+        self.streamer.end()
+
+
+class PlainStretchStopping(StoppingCriteriaList):
+    """The call's stopping criteria in a plain stretch, which also ends once the sequence reaches `end_length`;
+    `stopped` says whether the criteria themselves stopped (the call is over)."""
+
+    def __init__(self, criteria: StoppingCriteriaList, end_length: int):
+        super().__init__(criteria)
+        self.end_length = end_length
+        self.stopped = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        done = super().__call__(input_ids, scores, **kwargs)
+        self.stopped = bool(done.all())
+        return done | (input_ids.shape[1] >= self.end_length)
+
+
+class SharedBuilds:
+    """What the first stretch's generate() builds for the call (logits processors, stopping criteria), handed to
+    every later stretch instead of a new build: those built later would count lengths from the later stretch's input
+    and restart `max_time`'s clock. Use `reuse(name)` as the call-scoped replacement of the model's `name` method."""
+
+    def __init__(self):
+        self.built: dict[str, object] = {}
+
+    def reuse(self, name: str) -> Callable:
+        def build_once(build: Callable, *args, **kwargs):
+            if name not in self.built:
+                self.built[name] = build(*args, **kwargs)
+            return self.built[name]
+
+        return build_once
+
+
+def continued_generation_config(config, new_tokens_left: int):
+    """The call's generation config for a stretch that continues it: the same options, for the tokens the call has
+    left, and nothing that acts at a stretch's own start (the shared processors count `min_new_tokens` from the
+    call's start; token healing edits the prompt, which the first stretch did). The length is given as
+    `max_new_tokens`: a `max_new_tokens` left unset would be filled in from the target's own generation config."""
+    config = copy.deepcopy(config)
+    config.max_new_tokens, config.max_length = new_tokens_left, None
+    config.min_new_tokens = config.min_length = None
+    config.token_healing = False
+    return config
+
+
+def join_outputs(earlier, later):
+    """One call's result from two consecutive stretches' (`later` continued `earlier`'s sequence)."""
+    if isinstance(later, torch.Tensor):
+        return later
+    for name in PER_STEP_OUTPUTS:
+        before, after = getattr(earlier, name, None), getattr(later, name, None)
+        if before is not None and after is not None:
+            setattr(later, name, before + after)
+    return later
