@@ -223,27 +223,24 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         timer.on_close = self._iteration_done
         self._new_step()
 
-    def _take_verified(self, length: int) -> None:
+    def take_verified(self, length: int) -> None:
         """Of the last target forward's positions, those now verified (all but the newest of `length` tokens) go to
-        the drafter's next forward."""
+        the drafter's next forward. Each step does this; an assisted stretch that stops does it for its last step."""
         num_new = length - 1 - self.consumed
         if num_new > 0:
             self.pending.append(self.capture.features()[:, :num_new])
             self.consumed = length - 1
 
-    def stretch_ended(self, length: int) -> None:
-        """An assisted stretch stopped at `length` tokens: keep its last forward's verified features, which the
-        next step would have taken."""
-        self._take_verified(length)
-
-    def decoded_plainly(self, forward_features: list[torch.Tensor], steps: int) -> None:
-        """A plain stretch decoded `steps` steps (after a prefill, if it started the call) with these forwards'
-        features: the drafter takes them in when it next drafts."""
+    def decoded_plainly(self, forward_features: list[torch.Tensor]) -> None:
+        """A plain stretch ran target forwards with these features, one a token (the first one the prefill, if the
+        stretch started the call): the drafter takes them in when it next drafts."""
+        made_prefill = self.stats.target_forwards == 0
+        self.first_forward_is_prefill &= not made_prefill
         self.pending += forward_features
         self.consumed += sum(features.shape[1] for features in forward_features)
         self.stats.target_forwards += len(forward_features)
-        self.stats.skipped_steps += steps
-        self.drafted_last_step = self.first_forward_is_prefill = False
+        self.stats.skipped_steps += len(forward_features) - made_prefill
+        self.drafted_last_step = False
 
     def _new_step(self) -> None:
         self.confidences: list[float] = []
@@ -284,7 +281,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
 
         # The last target forward covered the tokens after the previous verified prefix; of those,
         # everything but the newest (bonus) token of input_ids is verified now.
-        self._take_verified(input_ids.shape[1])
+        self.take_verified(input_ids.shape[1])
 
         num_tokens = min(self.policy.draft_length, self.max_length - input_ids.shape[1] - 1)
         if num_tokens <= 0:

@@ -47,7 +47,7 @@ from .request_checks import (
 )
 from .step_timer import StepTimer, decode_step_seconds, synchronized_clock
 from .stopping import HeldBackStreamer, PerTokenStopping
-from .stretches import PlainStretchStopping, SharedBuilds, StretchStreamer, continued_generation_config, join_outputs
+from .stretches import PlainStretchStopping, SharedBuilds, StretchStreamer, continued_options, join_outputs
 from .target_base import HyperConnectionTarget
 from .targets import TARGET_FAMILIES, get_target_adapter
 from .transformers_compat import CACHE_ARGUMENT, CACHE_ARGUMENTS, pop_user_cache
@@ -68,10 +68,6 @@ class GenerateRequest:
     kwargs: dict  # its other keyword arguments (model inputs, generation options), the cache taken out
     cache: Cache | None  # the cache the caller passed in, under either name
     generation_config: GenerationConfig
-    model_kwargs: dict  # `kwargs` less the generation options, which `generation_config` holds
-
-    # Model inputs that `_prepare_generation_config` passes on although generate() reads them from the config
-    CONFIG_INPUTS = ("output_attentions", "output_hidden_states")
 
     @classmethod
     def from_arguments(cls, model: PreTrainedModel, bound: dict) -> GenerateRequest:
@@ -79,19 +75,20 @@ class GenerateRequest:
         arguments = {name: value for name, value in bound.items() if name not in ("self", "kwargs")}
         extra = dict(bound.get("kwargs", {}))
         cache = pop_user_cache(extra)
-        generation_config, model_kwargs = model._prepare_generation_config(arguments.get("generation_config"), **extra)
-        model_kwargs = {name: value for name, value in model_kwargs.items() if name not in cls.CONFIG_INPUTS}
-        return cls(model, arguments, extra, cache, generation_config, model_kwargs)
+        generation_config, _ = model._prepare_generation_config(arguments.get("generation_config"), **extra)
+        return cls(model, arguments, extra, cache, generation_config)
 
     def continued(self, sequences: torch.LongTensor, streamer: StretchStreamer | None) -> GenerateRequest:
         """This call as a later stretch that continues from `sequences` (the target cache holds all but the newest
-        token): the same options for the tokens left, the caller's mask extended over what was decoded."""
-        config = continued_generation_config(self.generation_config, self.max_length - sequences.shape[1])
-        arguments = self.arguments | {"inputs": sequences, "generation_config": config, "streamer": streamer}
-        kwargs = {name: value for name, value in self.model_kwargs.items() if name != "input_ids"}
-        # All ones, as plain decoding's stays (a stretched call's prompt has no padding): inferred from padding
-        # tokens instead, the mask would hide the generated ones
-        kwargs["attention_mask"] = torch.ones_like(sequences)
+        token): the same options for the tokens left, and a mask of ones over everything so far, as plain decoding's
+        stays (a stretched call's prompt has no padding; a mask inferred from padding tokens would hide generated
+        ones)."""
+        options = continued_options(self.max_length - sequences.shape[1])
+        config = copy.deepcopy(self.generation_config)
+        config.update(**options)
+        kwargs = {name: value for name, value in self.kwargs.items() if name != "input_ids"}
+        kwargs |= options | {"attention_mask": torch.ones_like(sequences)}
+        arguments = self.arguments | {"inputs": sequences, "streamer": streamer}
         return replace(self, arguments=arguments, kwargs=kwargs, generation_config=config)
 
     @property
@@ -149,18 +146,6 @@ def _call_cache(target: HyperConnectionTarget, cache: Cache | None, max_draft: i
     return target.make_cache(max_draft) if cache is None else target.adopt_cache(cache, max_draft)
 
 
-def _set_generation_options(arguments: dict, kwargs: dict, options: dict) -> None:
-    """Set generation `options` for a generate() call of `arguments` and `kwargs`: in its `generation_config`
-    argument, if it has one and passes no such option itself (transformers warns when a call passes both), else as
-    keyword arguments."""
-    config = arguments.get("generation_config")
-    if config is None or options.keys() & kwargs.keys():
-        kwargs.update(options)
-    else:
-        arguments["generation_config"] = config = copy.deepcopy(config)
-        config.update(**options)
-
-
 def _exact_assisted_call(
     original_generate: Callable,
     target: HyperConnectionTarget,
@@ -189,12 +174,10 @@ def _exact_assisted_call(
         return stopping[-1]
 
     # "dynamic" (perhaps from the target's generation_config.json) is what the rewindable cache is.
-    options = {"cache_implementation": None}
+    kwargs = request.kwargs | {CACHE_ARGUMENT: cache, "cache_implementation": None}
     no_attentions = request.asks_attentions_it_cannot_get
     if no_attentions:  # transformers' assisted loop would index the empty attentions a non-eager model returns
-        options["output_attentions"] = False
-    kwargs = request.kwargs | {CACHE_ARGUMENT: cache}
-    _set_generation_options(arguments, kwargs, options)
+        kwargs["output_attentions"] = False
     stateful = getattr(type(target.model), "_is_stateful", False)
     try:
         with (
@@ -330,7 +313,7 @@ class _StretchedCall:
         )
         self.generator.timer.close()  # its last step, which the schedule learns from before deciding what follows
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        self.generator.stretch_ended(sequences.shape[1])
+        self.generator.take_verified(sequences.shape[1])
         return output, not (handed_over and handed_over[-1])
 
     def _plain(self, stretch: GenerateRequest, steps: int) -> tuple[object, bool]:
@@ -353,10 +336,8 @@ class _StretchedCall:
         ):
             hooks.after(stretch.model, lambda *_: features.append(capture.features()))
             output, step_seconds = _timed_plain_generate(self.original_generate, stretch, self.cache)
-        sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        decoded = sequences.shape[1] - stretch.input_ids.shape[1]
-        self.generator.decoded_plainly(features, decoded - self.generator.first_forward_is_prefill)
-        self.schedule.policy.skip(decoded, step_seconds)
+        self.generator.decoded_plainly(features)
+        self.schedule.policy.skip(len(features), step_seconds)
         return output, stopping[0].stopped
 
 
@@ -375,7 +356,8 @@ def _timed_plain_generate(original_generate: Callable, request: GenerateRequest,
     """Plain decoding of `request` (from `cache`, if given), and the seconds of its steps: from one target forward's
     start to the next's."""
     arguments = {name: value for name, value in request.arguments.items() if name != "assistant_model"}
-    cache_argument = {CACHE_ARGUMENT: cache} if cache is not None else {}
+    # "dynamic" (perhaps from the target's generation_config.json) is what a passed cache is
+    cache_argument = {CACHE_ARGUMENT: cache, "cache_implementation": None} if cache is not None else {}
     forward_starts: list[float] = []
     with call_scope.CallHooks() as hooks:
         hooks.before(request.model, lambda *_: forward_starts.append(synchronized_clock()))

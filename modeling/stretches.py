@@ -12,7 +12,6 @@ once and one `end()`, and per-step outputs (scores, logits, hidden states, atten
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -81,16 +80,18 @@ class SharedBuilds:
         return build_once
 
 
-def continued_generation_config(config, new_tokens_left: int):
-    """The call's generation config for a stretch that continues it: the same options, for the tokens the call has
-    left, and nothing that acts at a stretch's own start (the shared processors count `min_new_tokens` from the
-    call's start; token healing edits the prompt, which the first stretch did). The length is given as
-    `max_new_tokens`: a `max_new_tokens` left unset would be filled in from the target's own generation config."""
-    config = copy.deepcopy(config)
-    config.max_new_tokens, config.max_length = new_tokens_left, None
-    config.min_new_tokens = config.min_length = None
-    config.token_healing = False
-    return config
+def continued_options(new_tokens_left: int) -> dict:
+    """generate() options for a stretch that continues the call, over the caller's: the tokens the call has left (as
+    `max_new_tokens`, `max_length` unset so that no config of the caller's or the target's competes), and nothing that
+    acts at a stretch's own start (the shared processors count `min_new_tokens` from the call's start; token healing
+    edits the prompt, which the first stretch did)."""
+    return {
+        "max_new_tokens": new_tokens_left,
+        "max_length": None,
+        "min_new_tokens": None,
+        "min_length": 0,
+        "token_healing": False,
+    }
 
 
 def join_outputs(earlier, later):

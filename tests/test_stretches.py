@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_generation_tester import assert_same_cache, assert_similar_outputs, family_target, generation_kwargs
 from test_threads import _concurrently
-from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.modeling.candidate_generator import BlockProposer
@@ -70,8 +70,12 @@ def test_a_call_with_waits_returns_plain_decodings_outputs_and_cache(family, mon
     kinds = ["hyperdflash", "mtp"] if family == "deepseek_v4" else ["hyperdflash"]
     for kind in kinds:
         loops = _force_waits(monkeypatch)
-        stretched = target.generate(prompt, assistant_model=_drafter(target, kind), **options)
+        drafter = _drafter(target, kind)
+        stretched = target.generate(prompt, assistant_model=drafter, **options)
         assert loops.count("P") >= 2 and loops[:2] == ["A", "P"], kind
+        stats = drafter.last_generation_stats  # each forward makes a token at least; the waits' steps are skipped
+        assert stats.new_tokens == NEW_TOKENS and stats.target_forwards <= NEW_TOKENS
+        assert stats.skipped_steps >= 2 * WAIT
         assert_similar_outputs(stretched, plain)
         assert_same_cache(getattr(stretched, CACHE_ARGUMENT), getattr(plain, CACHE_ARGUMENT))
         monkeypatch.undo()
@@ -187,3 +191,18 @@ def test_concurrent_calls_with_waits_each_give_plain_decoding(monkeypatch):
         outputs = _concurrently(calls)
         assert all(torch.equal(out, plain) for out, plain in zip(outputs, expected, strict=True))
     assert loops.count("P") >= 12
+
+
+def test_later_stretches_take_the_callers_generation_config_and_the_targets_defaults(monkeypatch):
+    """Options from a `generation_config` argument hold in every stretch, and a target whose generation config says
+    `cache_implementation="dynamic"` (some Hub checkpoints) still continues from the call's cache."""
+    target = family_target("deepseek_v4", seed=0)
+    prompt = _prompt(target, seed=3)
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3
+    )
+    plain = target.generate(prompt, generation_config=config)
+    monkeypatch.setattr(target.generation_config, "cache_implementation", "dynamic")
+    loops = _force_waits(monkeypatch)
+    stretched = target.generate(prompt, generation_config=config, assistant_model=_drafter(target))
+    assert loops.count("P") >= 2 and torch.equal(stretched, plain)
