@@ -12,7 +12,8 @@ that call only (`call_scope`: concurrent calls on one target do not see each oth
 target cache, hooks the target to capture the features the drafter conditions on, swaps in our candidate generator
 and lifts the target's `_is_stateful` guard. Verification, acceptance (greedy prefix match or speculative sampling),
 logits processors, stopping criteria and streaming stay transformers' own `_assisted_decoding`, so outputs are the
-target's.
+target's. Where the adaptive schedule waits 16 steps or more, the call runs the wait in plain decoding's own loop
+and resumes the assisted one after it (`_StretchedCall`, `stretches.py`).
 """
 
 from __future__ import annotations
@@ -295,11 +296,12 @@ class _StretchedCall:
 
     def _assisted(self, stretch: GenerateRequest) -> tuple[object, bool]:
         """An assisted stretch, until the schedule waits long enough for plain decoding's loop to pay."""
-        handed_over = []
+        handed_over = False
 
         def hand_over(length: int) -> bool:
-            handed_over.append(self._plain_steps(length) > 0)
-            return handed_over[-1]
+            nonlocal handed_over
+            handed_over = self._plain_steps(length) > 0
+            return handed_over
 
         cache = self.target.adopt_cache(self.cache, self.schedule.policy.max_draft)
         output = _exact_assisted_call(
@@ -314,7 +316,7 @@ class _StretchedCall:
         self.generator.timer.close()  # its last step, which the schedule learns from before deciding what follows
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
         self.generator.take_verified(sequences.shape[1])
-        return output, not (handed_over and handed_over[-1])
+        return output, not handed_over
 
     def _plain(self, stretch: GenerateRequest, steps: int) -> tuple[object, bool]:
         """`steps` steps of the schedule's wait in plain decoding's loop, from the call's stock cache; the drafter
