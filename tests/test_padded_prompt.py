@@ -12,11 +12,13 @@ import torch
 
 import hf_hyperdflash.modeling.target_deepseek_v4 as target_deepseek_v4
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+from hf_hyperdflash.modeling import integration
 from hf_hyperdflash.modeling.compressed_visibility import decoding_block_bias
 from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
 
 PROMPT_TOKENS = 30  # past the sliding window (8) and several HCA windows (8)
 NEW_TOKENS = 24
+PAD, EOS = 1, 2  # no prompt token: they are drawn from 3 on
 
 
 def _mask(pattern: str) -> torch.Tensor:
@@ -43,7 +45,11 @@ def _pairs(kind: str, pattern: str, seeds=range(2), **options):
             drafter = HyperDFlashForDrafting.from_target(target, block_size=8).eval()
         drafter.generation_config.num_assistant_tokens_schedule = "constant"
         prompt = torch.randint(3, 512, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(seed))
-        inputs = {"input_ids": prompt, "attention_mask": _mask(pattern)}
+        if pattern == "inferred":  # no mask passed: generate() infers one from the padding tokens
+            prompt[0, :5] = PAD
+            inputs = {"input_ids": prompt, "pad_token_id": PAD, "eos_token_id": EOS}
+        else:
+            inputs = {"input_ids": prompt, "attention_mask": _mask(pattern)}
         torch.manual_seed(seed)
         plain = target.generate(**inputs, **options)
         with oracle_drafting(OracleProposer(512, plain, corruption=0.15, seed=seed)):
@@ -57,6 +63,17 @@ def _pairs(kind: str, pattern: str, seeds=range(2), **options):
 def test_greedy_output_with_a_padded_mask_is_plain_decodings(kind, pattern):
     for plain, speculative in _pairs(kind, pattern):
         assert torch.equal(plain, speculative)
+
+
+def test_a_mask_generate_infers_from_padding_tokens_is_honoured(monkeypatch):
+    """No mask passed, a prompt that starts with padding tokens (not end-of-sequence ones): generate() infers a mask
+    with zeros, so position ids lag the cache as with a passed one, and verify rows must be fixed as for one. Without
+    counting the inferred mask (`masks_padding` always False, as before it) the output differs."""
+    for plain, speculative in _pairs("hyperdflash", "inferred", seeds=range(4)):
+        assert torch.equal(plain, speculative)
+    monkeypatch.setattr(integration, "masks_padding", lambda *_: False)
+    pairs = _pairs("hyperdflash", "inferred", seeds=range(4))
+    assert any(not torch.equal(plain, speculative) for plain, speculative in pairs)
 
 
 def test_sampled_output_with_a_padded_mask_under_a_fixed_seed():
