@@ -18,8 +18,9 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-# Waits shorter than this stay in the assisted loop: switching loops costs about two steps' worth of per-call work
-# (two generate() set-ups and cache conversions), which a wait of 16 steps repays at a step's 1.3% saving.
+# Waits shorter than this stay in the assisted loop: a switch there and back costs two generate() set-ups (about
+# 0.8 ms each on the reference pair, 0.15 of an 11 ms step together), which a plain stretch repays from about 12
+# steps on at 1.3% a step.
 MIN_PLAIN_STRETCH = 16
 PER_STEP_OUTPUTS = ("scores", "logits", "attentions", "hidden_states")
 
