@@ -66,17 +66,18 @@ class PlainStretchStopping(StoppingCriteriaList):
 
 class SharedBuilds:
     """What the first stretch's generate() builds for the call (logits processors, stopping criteria), handed to
-    every later stretch instead of a new build: those built later would count lengths from the later stretch's input
-    and restart `max_time`'s clock. Use `reuse(name)` as the call-scoped replacement of the model's `name` method."""
+        every later stretch instead of a new build: those built later would count lengths from the later stretch's input
+        and restart `max_time`'s clock. `reuse(key)` is a call-scoped replacement for the builder method (called as
+    `replacement(build, *args, **kwargs)`): the first call builds, every later one returns that build."""
 
     def __init__(self):
         self.built: dict[str, object] = {}
 
-    def reuse(self, name: str) -> Callable:
+    def reuse(self, key: str) -> Callable:
         def build_once(build: Callable, *args, **kwargs):
-            if name not in self.built:
-                self.built[name] = build(*args, **kwargs)
-            return self.built[name]
+            if key not in self.built:
+                self.built[key] = build(*args, **kwargs)
+            return self.built[key]
 
         return build_once
 
