@@ -66,8 +66,8 @@ class PlainStretchStopping(StoppingCriteriaList):
 
 class SharedBuilds:
     """What the first stretch's generate() builds for the call (logits processors, stopping criteria), handed to
-        every later stretch instead of a new build: those built later would count lengths from the later stretch's input
-        and restart `max_time`'s clock. `reuse(key)` is a call-scoped replacement for the builder method (called as
+    every later stretch instead of a new build: those built later would count lengths from the later stretch's input
+    and restart `max_time`'s clock. `reuse(key)` is a call-scoped replacement for the builder method (called as
     `replacement(build, *args, **kwargs)`): the first call builds, every later one returns that build."""
 
     def __init__(self):
