@@ -281,7 +281,7 @@ class _StretchedCall:
                 plain_steps = self._plain_steps(stretch.input_ids.shape[1])
                 result, stopped = self._plain(stretch, plain_steps) if plain_steps else self._assisted(stretch)
                 output = result if output is None else join_outputs(output, result)
-                sequences = result if isinstance(result, torch.Tensor) else result.sequences
+                sequences = _sequences(result)
                 if stopped or sequences.shape[1] >= request.max_length:
                     break
                 if stream is not None:
@@ -314,8 +314,7 @@ class _StretchedCall:
             hand_over,
         )
         self.generator.timer.close()  # its last step, which the schedule learns from before deciding what follows
-        sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        self.generator.take_verified(sequences.shape[1])
+        self.generator.take_verified(_sequences(output).shape[1])
         return output, not handed_over
 
     def _plain(self, stretch: GenerateRequest, steps: int) -> tuple[object, bool]:
@@ -343,13 +342,17 @@ class _StretchedCall:
         return output, stopping[0].stopped
 
 
+def _sequences(output) -> torch.LongTensor:
+    """The token ids of a generate() result, a tensor or a dict of outputs."""
+    return output if isinstance(output, torch.Tensor) else output.sequences
+
+
 def _record_call(
     stats: GenerationStats, output, request: GenerateRequest, drafter: PreTrainedModel, start: float
 ) -> None:
     """The call's new tokens and wall time in `stats`, which become `drafter.last_generation_stats` (with concurrent
     calls on one drafter: the call that finished last)."""
-    sequences = output if isinstance(output, torch.Tensor) else output.sequences
-    stats.new_tokens = sequences.shape[1] - request.input_ids.shape[1]
+    stats.new_tokens = _sequences(output).shape[1] - request.input_ids.shape[1]
     stats.seconds = synchronized_clock() - start
     drafter.last_generation_stats = stats
 
