@@ -231,11 +231,14 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
             self.pending.append(self.capture.features()[:, :num_new])
             self.consumed = length - 1
 
-    def decoded_plainly(self, forward_features: list[torch.Tensor]) -> None:
+    def decoded_plainly(self, forward_features: list[torch.Tensor], first_forward_seconds: float) -> None:
         """A plain stretch ran target forwards with these features, one a token (the first one the prefill, if the
-        stretch started the call): the drafter takes them in when it next drafts."""
+        stretch started the call, which took `first_forward_seconds`): the drafter takes them in when it next
+        drafts."""
         made_prefill = self.stats.target_forwards == 0
-        self.first_forward_is_prefill &= not made_prefill
+        if made_prefill:
+            self.first_forward_is_prefill = False
+            self.stats.prefill_seconds = first_forward_seconds
         self.pending += forward_features
         self.consumed += sum(features.shape[1] for features in forward_features)
         self.stats.target_forwards += len(forward_features)

@@ -336,8 +336,8 @@ class _StretchedCall:
             call_scope.methods(stretch.model, _get_stopping_criteria=stopping_criteria),
         ):
             hooks.after(stretch.model, lambda *_: features.append(capture.features()))
-            output, step_seconds = _timed_plain_generate(self.original_generate, stretch, self.cache)
-        self.generator.decoded_plainly(features)
+            output, first_seconds, step_seconds = _timed_plain_generate(self.original_generate, stretch, self.cache)
+        self.generator.decoded_plainly(features, first_seconds)
         self.schedule.policy.skip(len(features), step_seconds)
         return output, stopping[0].stopped
 
@@ -358,8 +358,9 @@ def _record_call(
 
 
 def _timed_plain_generate(original_generate: Callable, request: GenerateRequest, cache: Cache | None):
-    """Plain decoding of `request` (from `cache`, if given), and the seconds of its steps: from one target forward's
-    start to the next's."""
+    """Plain decoding of `request` (from `cache`, if given), the seconds of its first target forward's iteration
+    (a call's prefill, when the decoding starts the call) and those of its steps: from one target forward's start to
+    the next's."""
     arguments = {name: value for name, value in request.arguments.items() if name != "assistant_model"}
     # "dynamic" (perhaps from the target's generation_config.json) is what a passed cache is
     cache_argument = {CACHE_ARGUMENT: cache, "cache_implementation": None} if cache is not None else {}
@@ -367,7 +368,9 @@ def _timed_plain_generate(original_generate: Callable, request: GenerateRequest,
     with call_scope.CallHooks() as hooks:
         hooks.before(request.model, lambda *_: forward_starts.append(synchronized_clock()))
         output = original_generate(request.model, **arguments, **request.kwargs, **cache_argument)
-    return output, decode_step_seconds(forward_starts)
+    first_end = forward_starts[1] if len(forward_starts) > 1 else synchronized_clock()  # or generate()'s end
+    first_seconds = first_end - forward_starts[0] if forward_starts else 0.0
+    return output, first_seconds, decode_step_seconds(forward_starts)
 
 
 def _plain_call(
@@ -385,8 +388,9 @@ def _plain_call(
     caller passed is checked as a drafting call checks it, and left as plain decoding's, as one leaves it."""
     if request.cache is not None:
         target.release_cache(_call_cache(target, request.cache, max_draft))
-    output, step_seconds = _timed_plain_generate(original_generate, request, request.cache)
+    output, prefill_seconds, step_seconds = _timed_plain_generate(original_generate, request, request.cache)
     stats = GenerationStats(num_draft_tokens=schedule.policy.max_draft, schedule=schedule.name)
+    stats.prefill_seconds = prefill_seconds
     _record_call(stats, output, request, drafter, start)
     stats.target_forwards, stats.skipped_steps = stats.new_tokens, max(stats.new_tokens - 1, 0)
     schedule.policy.skip(stats.new_tokens, step_seconds)

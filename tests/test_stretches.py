@@ -206,3 +206,22 @@ def test_later_stretches_take_the_callers_generation_config_and_the_targets_defa
     loops = _force_waits(monkeypatch)
     stretched = target.generate(prompt, generation_config=config, assistant_model=_drafter(target))
     assert loops.count("P") >= 2 and torch.equal(stretched, plain)
+
+
+def test_a_call_that_starts_with_a_wait_times_its_prefill_in_plain_decodings_loop(monkeypatch):
+    """A wait carried into a call makes its first stretch plain, so the prefill runs there: the call's stats still
+    time it."""
+    target = family_target("deepseek_v4", seed=0)
+    begin_call = AdaptiveDraftPolicy.begin_call
+
+    def begin_waiting(self):
+        begin_call(self)
+        self.plain_steps_left = WAIT
+
+    monkeypatch.setattr(AdaptiveDraftPolicy, "begin_call", begin_waiting)
+    loops = _force_waits(monkeypatch)
+    drafter = _drafter(target)
+    drafter.generation_config.num_assistant_tokens_schedule = "adaptive"  # the schedule that carries waits over
+    target.generate(_prompt(target), assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False)
+    stats = drafter.last_generation_stats
+    assert loops[:2] == ["P", "A"] and stats.prefill_seconds > 0 and stats.skipped_steps >= WAIT
