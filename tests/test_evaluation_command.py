@@ -175,3 +175,23 @@ def test_prompt_lookup_rows_run_beside_the_drafters_with_the_same_lossless_check
         assert lookup[name]["num_draft_tokens"] == k and lookup[name]["tau"] is None
         assert 0 < lookup[name]["forwards_per_token"] <= 1
         assert f"| {name} | {k} | – |" in printed
+
+
+def test_a_plain_control_times_plain_decoding_again_beside_the_others(model_dirs, tmp_path, capsys):
+    """--plain-control adds plain decoding once more, interleaved like any method: its speed over plain decoding's
+    is the run's own noise, reported with the speedups; it is no speculative method to take a tau ratio of."""
+    args = _eval_args(model_dirs, tmp_path, "--plain-control", "--temperatures", "0", "--modes", "non-thinking")
+    assert command.run_eval(args) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((tmp_path / REPORT_FILES["json"]).read_text())
+    assert data["run"]["methods"] == ["plain", "plain-control", "mtp-k2", "hyperdflash"]
+    (setting,) = data["settings"]
+    control = next(m for m in setting["methods"] if m["name"] == "plain-control")
+    assert control["lossless"] == control["compared"] == 2 and control["tau"] is None
+    assert control["tokens_per_second"] > 0
+    speed = [(r["numerator"], r["denominator"]) for r in setting["speed_ratios"]]
+    assert speed[0] == ("plain-control", "plain") and "| plain-control / plain |" in printed
+    assert [(r["numerator"], r["denominator"]) for r in setting["tau_ratios"]] == [("hyperdflash", "mtp-k2")]
+    refused = _eval_args(model_dirs, tmp_path, "--plain-control", "--tau-ratio", "hyperdflash/plain-control")
+    with pytest.raises(ValueError, match="no speculative method named \\['plain-control'\\]"):
+        command.run_eval(refused)

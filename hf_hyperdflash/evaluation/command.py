@@ -20,6 +20,7 @@ from .harness import build_methods, check_drafter, evaluate, reference_drafter_d
 from .options import MODES, add_eval_arguments
 from .paired import default_tau_ratio_pairs, pool_members
 from .report import REPORT_FILES, machine_description, write_report
+from .runner import PLAIN_CONTROL
 
 __all__ = ["add_eval_arguments", "main", "run_eval"]
 
@@ -54,7 +55,7 @@ def _ratio_pairs(requested: list[tuple[str, str]] | None, names: list[str]) -> l
     """The --tau-ratio pairs, checked against the methods; by default hyperdflash over every other one."""
     if requested is None:
         return default_tau_ratio_pairs(names)
-    speculative = names[1:]
+    speculative = [name for name in names[1:] if name != PLAIN_CONTROL]
     for pair in requested:
         numerator, denominator = (pool_members(side) for side in pair)
         unknown = [name for name in numerator + denominator if name not in speculative]
@@ -105,6 +106,7 @@ def run_eval(args: argparse.Namespace) -> int:
         args.schedules,
         args.untrained,
         args.prompt_lookup,
+        args.plain_control,
     )
     ratio_pairs = _ratio_pairs(args.tau_ratio, [method.name for method in methods])
     results = evaluate(

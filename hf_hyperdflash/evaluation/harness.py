@@ -26,7 +26,7 @@ from ..modeling.targets import get_target_adapter
 from ..prompts import Messages
 from ..reference import DRAFTER_KINDS
 from .prompts import chat_ids
-from .runner import Method, MethodResult, run_methods, warm_up
+from .runner import PLAIN_CONTROL, Method, MethodResult, run_methods, warm_up
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,13 @@ def build_methods(
     schedules: Sequence[str] = (DEFAULT_SCHEDULE,),
     untrained: bool = False,
     prompt_lookup: Sequence[int] = (),
+    plain_control: bool = False,
 ) -> list[Method]:
-    """Plain decoding, native MTP at each depth in `mtp_steps`, the named drafters (in the given order), then an
-    untrained `from_target` HyperDFlash drafter if asked; every speculative method once per draft schedule; then
-    transformers' prompt lookup drafting k tokens per step for each k in `prompt_lookup` (it has no schedule).
+    """Plain decoding (and, with `plain_control`, plain decoding again as `PLAIN_CONTROL`, whose speed over the
+    first shows the run's timing noise), native MTP at each depth in `mtp_steps`, the named drafters (in the given
+    order), then an untrained `from_target` HyperDFlash drafter if asked; every speculative method once per draft
+    schedule; then transformers' prompt lookup drafting k tokens per step for each k in `prompt_lookup` (it has no
+    schedule).
 
     `draft_tokens` overrides the number of drafted tokens per step of named drafters (default: their own
     generation config, for block drafters `block_size - 1`). A "constant" method is named NAME-constant.
@@ -127,7 +130,7 @@ def build_methods(
             torch.manual_seed(0)
             drafter = HyperDFlashForDrafting.from_target(target).to(dtype).eval()
         speculative.append(Method("untrained", drafter))
-    methods = [Method("plain")]
+    methods = [Method("plain")] + ([Method(PLAIN_CONTROL)] if plain_control else [])
     for schedule in schedules:
         suffix = "" if schedule == DEFAULT_SCHEDULE else f"-{schedule}"
         methods += [dataclasses.replace(m, name=m.name + suffix, schedule=schedule) for m in speculative]

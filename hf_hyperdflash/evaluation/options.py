@@ -149,6 +149,13 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "targets once the package is loaded (default: none).",
     )
     models.add_argument(
+        "--plain-control",
+        action="store_true",
+        help="Also time plain decoding a second time, interleaved with the others as a method named "
+        "'plain-control': its speed over plain decoding's, which is 1.00x but for timing noise, shows how finely "
+        "this run's speed ratios resolve (on a shared machine, repeats of one call scatter by 10%% and more).",
+    )
+    models.add_argument(
         "--untrained",
         action="store_true",
         help="Also evaluate an untrained HyperDFlash drafter built with `from_target` (named 'untrained'): what a "

@@ -25,7 +25,7 @@ from scipy.stats import DegenerateDataWarning, bootstrap
 
 from ..modeling.draft_options import DEFAULT_SCHEDULE, SCHEDULES
 from .options import POOL_SEPARATOR  # the --tau-ratio pooling syntax, readable by --help without torch
-from .runner import MethodResult
+from .runner import PLAIN_CONTROL, MethodResult
 
 
 @dataclass(frozen=True)
@@ -158,10 +158,11 @@ def paired_tau_ratio(
 
 
 def default_tau_ratio_pairs(method_names: list[str], candidate: str = "hyperdflash") -> list[tuple[str, str]]:
-    """`candidate` over every other speculative method (all but the first, plain decoding), if it is present."""
+    """`candidate` over every other speculative method (all but the first, plain decoding, and its control), if it
+    is present."""
     if candidate not in method_names:
         return []
-    return [(candidate, name) for name in method_names[1:] if name != candidate]
+    return [(candidate, name) for name in method_names[1:] if name not in (candidate, PLAIN_CONTROL)]
 
 
 def paired_speed_ratio(

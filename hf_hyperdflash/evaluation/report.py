@@ -26,7 +26,7 @@ import transformers
 
 from .harness import SettingResult
 from .paired import PairedRatio, paired_speed_ratio, paired_tau_ratio, pool_members, pooled, schedule_pairs
-from .runner import LATENCY_PARTS, MethodResult, finite_or_none
+from .runner import LATENCY_PARTS, PLAIN_CONTROL, MethodResult, finite_or_none
 
 REPORT_FILES = {"markdown": "report.md", "json": "results.json", "plot": "acceptance.png"}
 
@@ -159,12 +159,15 @@ def markdown_report(
         if setting_ratios:
             lines += ["", "Paired tau ratios (BCa bootstrap interval over prompts, both methods resampled together):"]
             lines += ["", *_ratio_table(setting_ratios)]
+        has_control = any(method.name == PLAIN_CONTROL for method in result.methods)
         if method_speed_ratios:
             lines += [
                 "",
                 "Speed on the same prompts, later calls: the median over prompts of one method's speed over the "
                 "other's (over plain decoding: its speedup; then each default schedule over the drafter's others), "
-                "with a percentile bootstrap interval over prompts:",
+                "with a percentile bootstrap interval over prompts"
+                + (f" ({PLAIN_CONTROL}: plain decoding again, the run's timing noise)" if has_control else "")
+                + ":",
             ]
             lines += ["", *_ratio_table(method_speed_ratios, quantity="speed")]
         if any(method.latency_ms for method in result.methods):

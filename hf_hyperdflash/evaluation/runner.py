@@ -36,6 +36,7 @@ from ..modeling.generation_stats import (
 from ..modeling.step_timer import synchronized_clock
 
 LATENCY_PARTS = ("draft", "verify", "rollback")
+PLAIN_CONTROL = "plain-control"  # plain decoding timed a second time: its speed over plain's is the run's noise
 
 
 @dataclass(frozen=True)
