@@ -352,6 +352,24 @@ def test_a_window_that_loses_narrowly_does_not_outvote_a_long_run_that_paid():
     assert max(_gaps(_decode(hard_stretch, 600, wide))[:30]) >= 4
 
 
+def test_a_long_run_that_lost_leaves_a_window_no_benefit_of_the_doubt():
+    """Steps at 1 token per 1.1 s (0.91x of plain steps) pay only by the benefit of the doubt: with nothing drafted
+    before they draft on, but for a plain step now and then, until 64 of them make a long run that lost; after 64
+    drafted steps over calls at 0.87x, the first of them waits, and the waits grow. 40 such steps are no evidence
+    yet (until 24 more join them); 64 at 1.1x leave the doubt in place."""
+    near = _step(proposed=1, accepted=0, seconds=1.0, draft=0.1, confidences=[0.5])
+    policies = {name: AdaptiveDraftPolicy(max_draft=1) for name in ("fresh", "lost", "too_few", "paid")}
+    for name, (count, seconds) in {"lost": (64, 1.15), "too_few": (40, 1.15), "paid": (64, 0.9)}.items():
+        for _ in range(count):
+            policies[name].long_run.append(DraftedStep(tokens=1, verified=2, seconds=seconds))
+    for policy in policies.values():
+        _time_plain_steps(policy)
+    gaps = {name: _gaps(_decode(policy, 300, near)) for name, policy in policies.items()}
+    assert max(gaps["fresh"][:60]) <= 1 and max(gaps["fresh"][60:]) >= 16
+    assert gaps["lost"][:3] == [1, 4, 16]
+    assert max(gaps["too_few"][:16]) <= 1 and max(gaps["too_few"][16:40]) >= 4 and max(gaps["paid"][:60]) <= 1
+
+
 def test_a_drafter_near_break_even_re_times_plain_steps_the_more_often_the_nearer_it_is():
     """Plain steps timed in a busy minute (2 s) make a drafter at 2 tokens per 3.6 s look as if it paid (1.11x): its
     steps decode plainly at intervals that cost at most 0.5% of its speed (every 22nd step here), and once those
