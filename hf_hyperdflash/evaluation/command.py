@@ -18,9 +18,8 @@ from . import options
 from .datasets import load_prompt_set
 from .harness import build_methods, check_drafter, evaluate, reference_drafter_dirs, reference_mtp_dir
 from .options import MODES, add_eval_arguments
-from .paired import default_tau_ratio_pairs, pool_members
+from .paired import default_tau_ratio_pairs, pool_members, speculative_names
 from .report import REPORT_FILES, machine_description, write_report
-from .runner import PLAIN_CONTROL
 
 __all__ = ["add_eval_arguments", "main", "run_eval"]
 
@@ -55,7 +54,7 @@ def _ratio_pairs(requested: list[tuple[str, str]] | None, names: list[str]) -> l
     """The --tau-ratio pairs, checked against the methods; by default hyperdflash over every other one."""
     if requested is None:
         return default_tau_ratio_pairs(names)
-    speculative = [name for name in names[1:] if name != PLAIN_CONTROL]
+    speculative = speculative_names(names)
     for pair in requested:
         numerator, denominator = (pool_members(side) for side in pair)
         unknown = [name for name in numerator + denominator if name not in speculative]

@@ -157,12 +157,16 @@ def paired_tau_ratio(
     return _paired_ratio(numerator, denominator, per_prompt, _tau_ratio, confidence, resamples, seed)
 
 
+def speculative_names(method_names: list[str]) -> list[str]:
+    """The methods a tau ratio can compare: all but the first, plain decoding, and its control."""
+    return [name for name in method_names[1:] if name != PLAIN_CONTROL]
+
+
 def default_tau_ratio_pairs(method_names: list[str], candidate: str = "hyperdflash") -> list[tuple[str, str]]:
-    """`candidate` over every other speculative method (all but the first, plain decoding, and its control), if it
-    is present."""
+    """`candidate` over every other speculative method, if it is present."""
     if candidate not in method_names:
         return []
-    return [(candidate, name) for name in method_names[1:] if name not in (candidate, PLAIN_CONTROL)]
+    return [(candidate, name) for name in speculative_names(method_names) if name != candidate]
 
 
 def paired_speed_ratio(

@@ -159,8 +159,8 @@ def markdown_report(
         if setting_ratios:
             lines += ["", "Paired tau ratios (BCa bootstrap interval over prompts, both methods resampled together):"]
             lines += ["", *_ratio_table(setting_ratios)]
-        has_control = any(method.name == PLAIN_CONTROL for method in result.methods)
         if method_speed_ratios:
+            has_control = any(method.name == PLAIN_CONTROL for method in result.methods)
             lines += [
                 "",
                 "Speed on the same prompts, later calls: the median over prompts of one method's speed over the "
