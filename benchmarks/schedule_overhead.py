@@ -1,14 +1,15 @@
 """What the adaptive schedule's own bookkeeping costs a step: native MTP k=1 under "adaptive" made to draft every
 step, against the fixed schedule ("constant"), on the shipped pair.
 
-    python benchmarks/schedule_overhead.py [--prompts 6] [--repeats 6] [--max-new-tokens 128]
+    python benchmarks/schedule_overhead.py [--prompts 6] [--repeats 6] [--max-new-tokens 128] [--instructions]
 
 Forced to draft every step, the adaptive schedule verifies what the fixed one does (k=1: its draft, unless it cuts
 it), so the ratio is the price of choosing: the confidence calibration, the step-cost fit, the window and long-run
 figures it reads every step. Native MTP k=1 is the drafter where that price shows most: it gains least per step.
 Prints, per prompt, the median over interleaved repeats of constant / adaptive time by the wall clock, by CPU time
 and per step (the median interval between consecutive target forwards after the prefill; `skip_overhead.py` says
-why), then their medians over prompts.
+why), then their medians over prompts; with --instructions, the ratio of instructions executed instead
+(`skip_overhead.py` says how).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import functools
 import statistics
 
 import torch
-from skip_overhead import MEASURES, load_pair, parse_arguments, skipping_call, timed  # this folder's
+from skip_overhead import INSTRUCTIONS, load_pair, measurement, parse_arguments, skipping_call  # this folder's
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
@@ -28,25 +29,26 @@ ALWAYS_DRAFTING = {"should_draft": lambda self: True}
 
 def main() -> None:
     args = parse_arguments(__doc__, prompts=6)
+    measure, measures = measurement(args)
     tokenizer, target, drafter = load_pair(reference.mtp_path())
     drafter.generation_config.num_assistant_tokens = 1
-    ratios: dict[str, list[float]] = {name: [] for name in MEASURES}
+    ratios: dict[str, list[float]] = {name: [] for name in measures}
     for chat in load_prompts("sharegpt", "held_out", args.prompts, max_chars=2000):
         input_ids = torch.tensor([encode_prompt(tokenizer, chat, enable_thinking=False)])
         decode = functools.partial(target.generate, input_ids, max_new_tokens=args.max_new_tokens)
         per_repeat: dict[str, list[float]] = {name: [] for name in ratios}
         for repeat in range(args.repeats):  # the order alternates, so a drift favours neither
-            seconds = {}
+            costs = {}
             for schedule in SCHEDULES if repeat % 2 else SCHEDULES[::-1]:
                 drafter.generation_config.num_assistant_tokens_schedule = schedule
-                seconds[schedule] = timed(skipping_call(decode, drafter, ALWAYS_DRAFTING), target)
+                costs[schedule] = measure(skipping_call(decode, drafter, ALWAYS_DRAFTING), target)
             for name in ratios:
-                per_repeat[name].append(seconds["constant"][name] / seconds["adaptive"][name])
+                per_repeat[name].append(costs["constant"][name] / costs["adaptive"][name])
         for name, values in per_repeat.items():
             ratios[name].append(statistics.median(values))
     for name, values in ratios.items():
-        measure = name if name == "per step" else f"{name} clock"
-        print(f"adaptive drafting every step, speed over constant per prompt ({measure}): ", end="")
+        unit = name if name in ("per step", INSTRUCTIONS) else f"{name} clock"
+        print(f"adaptive drafting every step, speed over constant per prompt ({unit}): ", end="")
         print(f"{', '.join(f'{r:.3f}' for r in values)}; median {statistics.median(values):.3f}x")
 
 

@@ -16,6 +16,12 @@ from one repeat to the next, and whole-call medians over 8 prompts by 2%: too co
 fastest plain call over the fastest other one; then their medians over prompts. Plain decoding timed a second time,
 interleaved like the others, is the control: its ratios are 1.00x but for this run's noise, so a way's ratio
 within the control's distance of 1.00x is no measured cost.
+
+    python benchmarks/skip_overhead.py --instructions --prompts 2   # counts instead of clocks (about 40 minutes)
+
+`--instructions` counts what each call executes under valgrind's callgrind (`callgrind.py`): one warm call, then one
+counted, per way and prompt. Counts repeat to 0.01% (the control's row), so each way's overhead reads as it is,
+in instructions rather than seconds.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from itertools import product
 from unittest import mock
 
+import callgrind  # this folder's
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -37,6 +46,7 @@ from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 MEASURES = (*CLOCKS, "per step")
+INSTRUCTIONS = "instructions"
 WAIT = 64  # steps of each wait "in waits inside a call"
 
 
@@ -77,6 +87,22 @@ def timed(call: Callable[[], object], target: torch.nn.Module) -> dict[str, floa
     return seconds
 
 
+def counted(call: Callable[[], object], target: torch.nn.Module) -> dict[str, float]:
+    """Instructions `call()` executes, run once uncounted first (lazy set-ups, the allocator's caches)."""
+    call()
+    return {INSTRUCTIONS: callgrind.count(call)}
+
+
+def measurement(args: argparse.Namespace) -> tuple[Callable, tuple[str, ...]]:
+    """How each call is measured, and the names of what that gives: `timed`, or with --instructions `counted` (in
+    this script run again under callgrind; this process then exits with that run's status)."""
+    if not args.instructions:
+        return timed, MEASURES
+    if not callgrind.running_under_callgrind():
+        sys.exit(callgrind.rerun_under_callgrind())
+    return counted, (INSTRUCTIONS,)
+
+
 def skipping_call(decode: Callable, drafter, patches: dict[str, Callable]) -> Callable[[], object]:
     def call():
         with mock.patch.multiple(AdaptiveDraftPolicy, **patches):
@@ -91,7 +117,13 @@ def parse_arguments(description: str, prompts: int) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=prompts)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    return parser.parse_args()
+    parser.add_argument(
+        "--instructions", action="store_true", help="count instructions under valgrind instead of timing (1 repeat)"
+    )
+    args = parser.parse_args()
+    if args.instructions:
+        args.repeats = 1  # a count repeats itself
+    return args
 
 
 def load_pair(drafter_path) -> tuple:
@@ -105,32 +137,32 @@ def load_pair(drafter_path) -> tuple:
 
 def main() -> None:
     args = parse_arguments(__doc__, prompts=8)
+    measure, measures = measurement(args)
     tokenizer, target, drafter = load_pair(reference.drafter_path("hyperdflash"))
     ways = [CONTROL, *SKIPPING]
-    ratios = {(way, name): [] for way in ways for name in (*MEASURES, BEST)}
+    best = () if args.instructions else (BEST,)
+    ratios = {(way, name): [] for way in ways for name in (*measures, *best)}
     for chat in load_prompts("sharegpt", "held_out", args.prompts, max_chars=2000):
         input_ids = torch.tensor([encode_prompt(tokenizer, chat, enable_thinking=False)])
         decode = functools.partial(target.generate, input_ids, max_new_tokens=args.max_new_tokens)
         runs = {"plain": decode, CONTROL: decode}
         runs |= {way: skipping_call(decode, drafter, patches) for way, patches in SKIPPING.items()}
-        per_repeat = {(way, name): [] for way in ways for name in MEASURES}
-        wall = {name: [] for name in runs}
+        costs = {name: [] for name in runs}  # a dict of measures per repeat
         for repeat in range(args.repeats):  # the order rotates, so a drift favours none
-            order = list(runs)[repeat % len(runs) :] + list(runs)[: repeat % len(runs)]
-            seconds = {name: timed(runs[name], target) for name in order}
-            for way, name in per_repeat:
-                per_repeat[way, name].append(seconds["plain"][name] / seconds[way][name])
-            for name in runs:
-                wall[name].append(seconds[name]["wall"])
-        for key, values in per_repeat.items():
-            ratios[key].append(statistics.median(values))
-        for way in ways:
-            ratios[way, BEST].append(min(wall["plain"]) / min(wall[way]))
+            for name in list(runs)[repeat % len(runs) :] + list(runs)[: repeat % len(runs)]:
+                costs[name].append(measure(runs[name], target))
+        for way, name in product(ways, measures):
+            pairs = zip(costs["plain"], costs[way], strict=True)
+            ratios[way, name].append(statistics.median(plain[name] / other[name] for plain, other in pairs))
+        for way, _ in product(ways, best):
+            fastest = {name: min(repeat["wall"] for repeat in costs[name]) for name in ("plain", way)}
+            ratios[way, BEST].append(fastest["plain"] / fastest[way])
+    digits = 4 if args.instructions else 3  # counts resolve 0.01%
     for (way, name), values in ratios.items():
-        measure = name if name in ("per step", BEST) else f"{name} clock"
+        unit = name if name in ("per step", BEST, INSTRUCTIONS) else f"{name} clock"
         print(f"{way if way == CONTROL else f'always skipping ({way})'}, ", end="")
-        print(f"speed over plain decoding per prompt ({measure}): ", end="")
-        print(f"{', '.join(f'{r:.3f}' for r in values)}; median {statistics.median(values):.3f}x")
+        print(f"speed over plain decoding per prompt ({unit}): ", end="")
+        print(f"{', '.join(f'{r:.{digits}f}' for r in values)}; median {statistics.median(values):.{digits}f}x")
 
 
 if __name__ == "__main__":
