@@ -12,6 +12,7 @@ Needs valgrind and its headers (Debian: `apt-get install valgrind`) and a C comp
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import gc
@@ -38,7 +39,9 @@ def _client_requests() -> ctypes.CDLL:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("Counting instructions needs a C compiler (Debian: apt-get install gcc).")
-    library = Path(tempfile.mkdtemp(prefix="callgrind_requests_")) / "requests.so"
+    folder = tempfile.mkdtemp(prefix="callgrind_requests_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    library = Path(folder) / "requests.so"
     built = subprocess.run(
         [compiler, "-O2", "-shared", "-fPIC", "-x", "c", "-", "-o", str(library)],
         input=_CLIENT_REQUESTS,
@@ -87,6 +90,9 @@ def count(call: Callable[[], object]) -> int:
     finally:
         requests.stop_counting()
     dump = max(Path(os.environ[_DUMPS]).glob("counts.*"), key=lambda path: int(path.suffix[1:]))  # counts.1, .2, ..
-    summary = next(line for line in dump.read_text().splitlines() if line.startswith("summary:"))
+    # "totals" sums the functions' costs; "summary", the global counter, once read 2**64 less a few million here
+    totals = int(next(line for line in dump.read_text().splitlines() if line.startswith("totals:")).split()[1])
     dump.unlink()
-    return int(summary.split()[1])
+    if not 0 < totals < 2**62:
+        raise RuntimeError(f"callgrind counted {totals} instructions, which cannot be: count again.")
+    return totals
