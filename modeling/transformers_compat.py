@@ -34,8 +34,11 @@ pinned by a test in `tests/test_transformers_internals.py`, run on both versions
   (test_hc_head_collapses_the_pre_collapse_residual)
 - `DeepseekV4HCACache` / `DeepseekV4CSACache` state and hooks: what the rewindable cache intercepts
   (tests/test_rewindable_cache.py)
-- `DeepseekV4Indexer.forward`, `HYV4Indexer.forward`: run with `topk` breaking ties by position (`indexer_ties.py`),
-  which covers their selection while they pick entries with `topk` alone (test_indexers_select_entries_only_with_topk)
+- `DeepseekV4IndexerScorer.forward`: returns ranks with ties broken by position (`indexer_ties.py`), the same
+  selection while `DeepseekV4Indexer.forward` uses the scores only to mask them and take their `topk`
+  (test_deepseek_v4_indexer_uses_its_scores_only_to_mask_and_select)
+- `HYV4Indexer.forward` and the GLM-5-Next and Qwen4-Exp indexers': run with `topk` breaking ties by position, which
+  covers their selection while they pick entries with `topk` alone (test_indexers_select_entries_only_with_topk)
 - `DeepseekV4Attention` calling its compressor positionally, and HCA's block bias (none for one token, by position id
   for more): rebuilt for verify rows by `compressed_visibility.py`
   (test_attention_calls_its_compressor_with_positional_arguments,

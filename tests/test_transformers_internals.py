@@ -29,12 +29,13 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4Attention,
     DeepseekV4HCACompressor,
     DeepseekV4HyperHead,
+    DeepseekV4Indexer,
     DeepseekV4PreTrainedModel,
 )
 
 import hf_hyperdflash.modeling
 from hf_hyperdflash.modeling import candidate_generator, integration, transformers_compat
-from hf_hyperdflash.modeling.indexer_ties import INDEXER_CLASSES
+from hf_hyperdflash.modeling.indexer_ties import INDEXER_CLASSES, SCORER_CLASSES
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
@@ -231,6 +232,30 @@ def test_indexers_select_entries_only_with_topk():
         assert "topk" in called, indexer.__name__
         assert not called & {"sort", "argsort", "argmax", "kthvalue", "multinomial"}, indexer.__name__
         assert getattr(indexer.forward, "_hyperdflash_ties_by_position", False)  # installed on import
+
+
+def test_deepseek_v4_indexer_uses_its_scores_only_to_mask_and_select():
+    """`indexer_ties` makes V4's indexer scorer return ranks: the same selection only while the indexer's forward
+    uses what its scorer returns for nothing but masking it and its top-k (a version that also weighted the selected
+    entries by score must fail here)."""
+    forward = ast.parse(textwrap.dedent(inspect.getsource(DeepseekV4Indexer.forward)))
+    (scores,) = [
+        node.targets[0].id
+        for node in ast.walk(forward)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _called_name(node.value) == "scorer"
+    ]
+    parents = {child: node for node in ast.walk(forward) for child in ast.iter_child_nodes(node)}
+    uses = [node for node in ast.walk(forward) if isinstance(node, ast.Name) and node.id == scores]
+    reads = [use for use in uses if isinstance(use.ctx, ast.Load)]
+    assert reads
+    for use in reads:
+        attribute = parents[use]
+        assert isinstance(attribute, ast.Attribute) and attribute.attr in {"topk", "masked_fill", "device"}, attribute
+        if attribute.attr == "masked_fill":  # the masked scores replace the scores
+            assignment = parents[parents[attribute]]
+            assert isinstance(assignment, ast.Assign) and assignment.targets[0].id == scores
+    for scorer in SCORER_CLASSES:
+        assert getattr(scorer.forward, "_hyperdflash_ties_by_position", False)  # installed on import
 
 
 def test_attention_calls_its_compressor_with_positional_arguments():
