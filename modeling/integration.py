@@ -46,9 +46,16 @@ from .request_checks import (
     refuse_images,
     refuse_incompatible_options,
 )
-from .step_timer import StepTimer, decode_step_seconds, synchronized_clock
+from .step_timer import StepTimer, synchronized_clock
 from .stopping import HeldBackStreamer, PerTokenStopping
-from .stretches import PlainStretchStopping, SharedBuilds, StretchStreamer, continued_options, join_outputs
+from .stretches import (
+    PlainStretchStopping,
+    SharedBuilds,
+    StretchStreamer,
+    TimedStopping,
+    continued_options,
+    join_outputs,
+)
 from .target_base import HyperConnectionTarget
 from .targets import TARGET_FAMILIES, get_target_adapter
 from .transformers_compat import CACHE_ARGUMENT, CACHE_ARGUMENTS, pop_user_cache
@@ -321,25 +328,20 @@ class _StretchedCall:
         """`steps` steps of the schedule's wait in plain decoding's loop, from the call's stock cache; the drafter
         gets their features when it next drafts."""
         self.target.release_cache(self.cache)
-        stopping: list[PlainStretchStopping] = []
         end_length = stretch.input_ids.shape[1] + steps
+        features = []
+        capture = self.generator.capture
 
         def stopping_criteria(build: Callable, *args, **kwargs) -> PlainStretchStopping:
             criteria = self.shared.reuse("stopping_criteria")(build, *args, **kwargs)
-            stopping.append(PlainStretchStopping(criteria, end_length))
-            return stopping[-1]
+            return PlainStretchStopping(criteria, end_length, on_step=lambda: features.append(capture.features()))
 
-        features = []
-        capture = self.generator.capture
-        with (
-            call_scope.CallHooks() as hooks,
-            call_scope.methods(stretch.model, _get_stopping_criteria=stopping_criteria),
-        ):
-            hooks.after(stretch.model, lambda *_: features.append(capture.features()))
-            output, first_seconds, step_seconds = _timed_plain_generate(self.original_generate, stretch, self.cache)
+        output, first_seconds, stopping = _timed_plain_generate(
+            self.original_generate, stretch, self.cache, stopping_criteria
+        )
         self.generator.decoded_plainly(features, first_seconds)
-        self.schedule.policy.skip(len(features), step_seconds)
-        return output, stopping[0].stopped
+        self.schedule.policy.skip(len(features), stopping.step_seconds())
+        return output, stopping.stopped
 
 
 def _sequences(output) -> torch.LongTensor:
@@ -357,20 +359,33 @@ def _record_call(
     drafter.last_generation_stats = stats
 
 
-def _timed_plain_generate(original_generate: Callable, request: GenerateRequest, cache: Cache | None):
-    """Plain decoding of `request` (from `cache`, if given), the seconds of its first target forward's iteration
-    (a call's prefill, when the decoding starts the call) and those of its steps: from one target forward's start to
-    the next's."""
+def _timed_plain_generate(
+    original_generate: Callable,
+    request: GenerateRequest,
+    cache: Cache | None,
+    stopping_criteria: Callable[..., TimedStopping] | None = None,
+) -> tuple[object, float, TimedStopping]:
+    """Plain decoding of `request` (from `cache`, if given); the seconds from generate()'s start to its first target
+    forward's iteration's end (a call's prefill, when the decoding starts the call); and its stopping criteria, which
+    timed its steps. `stopping_criteria(build, *args, **kwargs)` builds them (default: `TimedStopping` of the built
+    ones)."""
     arguments = {name: value for name, value in request.arguments.items() if name != "assistant_model"}
     # "dynamic" (perhaps from the target's generation_config.json) is what a passed cache is
     cache_argument = {CACHE_ARGUMENT: cache, "cache_implementation": None} if cache is not None else {}
-    forward_starts: list[float] = []
-    with call_scope.CallHooks() as hooks:
-        hooks.before(request.model, lambda *_: forward_starts.append(synchronized_clock()))
+    built: list[TimedStopping] = []
+
+    def timed_criteria(build: Callable, *args, **kwargs) -> TimedStopping:
+        built.append(
+            stopping_criteria(build, *args, **kwargs) if stopping_criteria else TimedStopping(build(*args, **kwargs))
+        )
+        return built[-1]
+
+    start = synchronized_clock()
+    with call_scope.methods(request.model, _get_stopping_criteria=timed_criteria):
         output = original_generate(request.model, **arguments, **request.kwargs, **cache_argument)
-    first_end = forward_starts[1] if len(forward_starts) > 1 else synchronized_clock()  # or generate()'s end
-    first_seconds = first_end - forward_starts[0] if forward_starts else 0.0
-    return output, first_seconds, decode_step_seconds(forward_starts)
+    stopping = built[0] if built else TimedStopping([])
+    first_seconds = stopping.iteration_ends[0] - start if stopping.iteration_ends else 0.0
+    return output, first_seconds, stopping
 
 
 def _plain_call(
@@ -388,12 +403,12 @@ def _plain_call(
     caller passed is checked as a drafting call checks it, and left as plain decoding's, as one leaves it."""
     if request.cache is not None:
         target.release_cache(_call_cache(target, request.cache, max_draft))
-    output, prefill_seconds, step_seconds = _timed_plain_generate(original_generate, request, request.cache)
+    output, prefill_seconds, stopping = _timed_plain_generate(original_generate, request, request.cache)
     stats = GenerationStats(num_draft_tokens=schedule.policy.max_draft, schedule=schedule.name)
     stats.prefill_seconds = prefill_seconds
     _record_call(stats, output, request, drafter, start)
     stats.target_forwards, stats.skipped_steps = stats.new_tokens, max(stats.new_tokens - 1, 0)
-    schedule.policy.skip(stats.new_tokens, step_seconds)
+    schedule.policy.skip(stats.new_tokens, stopping.step_seconds())
     schedule.finish()
     return output
 
