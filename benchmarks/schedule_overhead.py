@@ -46,10 +46,11 @@ def main() -> None:
                 per_repeat[name].append(costs["constant"][name] / costs["adaptive"][name])
         for name, values in per_repeat.items():
             ratios[name].append(statistics.median(values))
+    digits = 4 if args.instructions else 3  # counts resolve 0.01%
     for name, values in ratios.items():
         unit = name if name in ("per step", INSTRUCTIONS) else f"{name} clock"
         print(f"adaptive drafting every step, speed over constant per prompt ({unit}): ", end="")
-        print(f"{', '.join(f'{r:.3f}' for r in values)}; median {statistics.median(values):.3f}x")
+        print(f"{', '.join(f'{r:.{digits}f}' for r in values)}; median {statistics.median(values):.{digits}f}x")
 
 
 if __name__ == "__main__":
