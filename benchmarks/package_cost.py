@@ -14,13 +14,12 @@ Prints, per prompt, stock / with-the-package by the wall clock, CPU time and per
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from contextlib import ExitStack
 from unittest import mock
 
 import torch
-from skip_overhead import INSTRUCTIONS, load_pair, measurement, parse_arguments  # this folder's
+from skip_overhead import load_pair, measurement, median_ratio, parse_arguments, print_ratios  # this folder's
 from transformers import GenerationMixin
 
 from hf_hyperdflash import reference
@@ -52,19 +51,9 @@ def main() -> None:
         def decode(input_ids=input_ids):  # `generate` looked up per call: `stock` swaps it
             return target.generate(input_ids, max_new_tokens=args.max_new_tokens)
 
-        runs = {"package": decode, "stock": stock(decode)}
-        per_repeat: dict[str, list[float]] = {name: [] for name in measures}
-        for repeat in range(args.repeats):  # the order alternates, so a drift favours neither
-            costs = {name: measure(runs[name], target) for name in (list(runs) if repeat % 2 else list(runs)[::-1])}
-            for name in measures:
-                per_repeat[name].append(costs["stock"][name] / costs["package"][name])
-        for name, values in per_repeat.items():
-            ratios[name].append(statistics.median(values))
-    digits = 4 if args.instructions else 3
-    for name, values in ratios.items():
-        unit = name if name in ("per step", INSTRUCTIONS) else f"{name} clock"
-        print(f"plain decoding with the package, speed over stock transformers per prompt ({unit}): ", end="")
-        print(f"{', '.join(f'{r:.{digits}f}' for r in values)}; median {statistics.median(values):.{digits}f}x")
+        for name, ratio in median_ratio(stock(decode), decode, measure, measures, args.repeats, target).items():
+            ratios[name].append(ratio)
+    print_ratios("plain decoding with the package, speed over stock transformers", ratios, args.instructions)
 
 
 if __name__ == "__main__":

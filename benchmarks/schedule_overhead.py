@@ -15,15 +15,21 @@ why), then their medians over prompts; with --instructions, the ratio of instruc
 from __future__ import annotations
 
 import functools
-import statistics
+from collections.abc import Callable
 
 import torch
-from skip_overhead import INSTRUCTIONS, load_pair, measurement, parse_arguments, skipping_call  # this folder's
+from skip_overhead import (  # this folder's
+    load_pair,
+    measurement,
+    median_ratio,
+    parse_arguments,
+    print_ratios,
+    skipping_call,
+)
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
-SCHEDULES = ("constant", "adaptive")
 ALWAYS_DRAFTING = {"should_draft": lambda self: True}
 
 
@@ -36,21 +42,18 @@ def main() -> None:
     for chat in load_prompts("sharegpt", "held_out", args.prompts, max_chars=2000):
         input_ids = torch.tensor([encode_prompt(tokenizer, chat, enable_thinking=False)])
         decode = functools.partial(target.generate, input_ids, max_new_tokens=args.max_new_tokens)
-        per_repeat: dict[str, list[float]] = {name: [] for name in ratios}
-        for repeat in range(args.repeats):  # the order alternates, so a drift favours neither
-            costs = {}
-            for schedule in SCHEDULES if repeat % 2 else SCHEDULES[::-1]:
+
+        def under(schedule: str, decode=decode) -> Callable[[], object]:
+            def call():
                 drafter.generation_config.num_assistant_tokens_schedule = schedule
-                costs[schedule] = measure(skipping_call(decode, drafter, ALWAYS_DRAFTING), target)
-            for name in ratios:
-                per_repeat[name].append(costs["constant"][name] / costs["adaptive"][name])
-        for name, values in per_repeat.items():
-            ratios[name].append(statistics.median(values))
-    digits = 4 if args.instructions else 3  # counts resolve 0.01%
-    for name, values in ratios.items():
-        unit = name if name in ("per step", INSTRUCTIONS) else f"{name} clock"
-        print(f"adaptive drafting every step, speed over constant per prompt ({unit}): ", end="")
-        print(f"{', '.join(f'{r:.{digits}f}' for r in values)}; median {statistics.median(values):.{digits}f}x")
+                return skipping_call(decode, drafter, ALWAYS_DRAFTING)()
+
+            return call
+
+        pair = under("constant"), under("adaptive")
+        for name, ratio in median_ratio(*pair, measure, measures, args.repeats, target).items():
+            ratios[name].append(ratio)
+    print_ratios("adaptive drafting every step, speed over constant", ratios, args.instructions)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import product
 from unittest import mock
 
@@ -103,6 +103,33 @@ def measurement(args: argparse.Namespace) -> tuple[Callable, tuple[str, ...]]:
     return counted, (INSTRUCTIONS,)
 
 
+def median_ratio(
+    reference: Callable[[], object],
+    other: Callable[[], object],
+    measure: Callable,
+    measures: Sequence[str],
+    repeats: int,
+    target: torch.nn.Module,
+) -> dict[str, float]:
+    """Per measure, the median over repeats of `reference`'s cost over `other`'s (`other`'s speed over it); the order
+    alternates, so a drift favours neither."""
+    per_repeat: dict[str, list[float]] = {name: [] for name in measures}
+    for repeat in range(repeats):
+        costs = {call: measure(call, target) for call in ((reference, other) if repeat % 2 else (other, reference))}
+        for name in measures:
+            per_repeat[name].append(costs[reference][name] / costs[other][name])
+    return {name: statistics.median(values) for name, values in per_repeat.items()}
+
+
+def print_ratios(label: str, ratios: dict[str, list[float]], instructions: bool) -> None:
+    """A line per measure: `label`'s ratio per prompt and their median (counts to 4 digits: they resolve 0.01%)."""
+    digits = 4 if instructions else 3
+    for name, values in ratios.items():
+        unit = name if name in ("per step", BEST, INSTRUCTIONS) else f"{name} clock"
+        per_prompt = ", ".join(f"{ratio:.{digits}f}" for ratio in values)
+        print(f"{label} per prompt ({unit}): {per_prompt}; median {statistics.median(values):.{digits}f}x")
+
+
 def skipping_call(decode: Callable, drafter, patches: dict[str, Callable]) -> Callable[[], object]:
     def call():
         with mock.patch.multiple(AdaptiveDraftPolicy, **patches):
@@ -157,12 +184,10 @@ def main() -> None:
         for way, _ in product(ways, best):
             fastest = {name: min(repeat["wall"] for repeat in costs[name]) for name in ("plain", way)}
             ratios[way, BEST].append(fastest["plain"] / fastest[way])
-    digits = 4 if args.instructions else 3  # counts resolve 0.01%
-    for (way, name), values in ratios.items():
-        unit = name if name in ("per step", BEST, INSTRUCTIONS) else f"{name} clock"
-        print(f"{way if way == CONTROL else f'always skipping ({way})'}, ", end="")
-        print(f"speed over plain decoding per prompt ({unit}): ", end="")
-        print(f"{', '.join(f'{r:.{digits}f}' for r in values)}; median {statistics.median(values):.{digits}f}x")
+    for way in ways:
+        label = way if way == CONTROL else f"always skipping ({way})"
+        by_measure = {name: values for (of, name), values in ratios.items() if of == way}
+        print_ratios(f"{label}, speed over plain decoding", by_measure, args.instructions)
 
 
 if __name__ == "__main__":
