@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from itertools import product
+from itertools import pairwise, product
 from unittest import mock
 
 import callgrind  # this folder's
@@ -41,7 +41,6 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.modeling.draft_policy import AdaptiveDraftPolicy
-from hf_hyperdflash.modeling.step_timer import decode_step_seconds
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -83,7 +82,8 @@ def timed(call: Callable[[], object], target: torch.nn.Module) -> dict[str, floa
     finally:
         hook.remove()
     seconds = {name: clock() - start[name] for name, clock in CLOCKS.items()}
-    seconds["per step"] = statistics.median(decode_step_seconds(forward_starts))
+    steps = pairwise(forward_starts[1:])  # the prefill's forward is no step
+    seconds["per step"] = statistics.median(later - earlier for earlier, later in steps)
     return seconds
 
 

@@ -18,13 +18,6 @@ def synchronized_clock() -> float:
     return time.perf_counter()
 
 
-def decode_step_seconds(forward_starts: list[float]) -> list[float]:
-    """From the start times of a call's target forwards, the seconds of each decoding step: one forward's start to
-    the next's, the prefill's forward left out (it is no step)."""
-    steps = forward_starts[1:]
-    return [later - earlier for earlier, later in zip(steps, steps[1:], strict=False)]
-
-
 @dataclass
 class IterationTiming:
     """One decoding iteration's wall time and its timed parts, in seconds."""

@@ -13,6 +13,7 @@ once and one `end()`, and per-step outputs (scores, logits, hidden states, atten
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
@@ -70,8 +71,7 @@ class TimedStopping(StoppingCriteriaList):
     def step_seconds(self) -> list[float]:
         """Each step after the first forward (a call's prefill, a stretch's first step): from an iteration's end to
         the next's."""
-        ends = self.iteration_ends
-        return [later - earlier for earlier, later in zip(ends, ends[1:], strict=False)]
+        return [later - earlier for earlier, later in pairwise(self.iteration_ends)]
 
 
 class PlainStretchStopping(TimedStopping):
