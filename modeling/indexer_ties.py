@@ -61,7 +61,6 @@ def _ties_by_position(forward: Callable) -> Callable:
         with _TopKTiesByPosition():
             return forward(self, *args, **kwargs)
 
-    setattr(selects_ties_by_position, _INSTALLED, True)
     return selects_ties_by_position
 
 
@@ -70,7 +69,6 @@ def _ranked_by_position(forward: Callable) -> Callable:
     def ranks_ties_by_position(self, *args, **kwargs):
         return ranks_by_position(forward(self, *args, **kwargs))
 
-    setattr(ranks_ties_by_position, _INSTALLED, True)
     return ranks_ties_by_position
 
 
@@ -80,3 +78,4 @@ def install_deterministic_indexer() -> None:
         for module in classes:
             if not getattr(module.forward, _INSTALLED, False):
                 module.forward = wrap(module.forward)
+                setattr(module.forward, _INSTALLED, True)
