@@ -7,7 +7,7 @@ one non-causal forward per block) or `MTPProposer` (native MTP: one step per dra
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -231,18 +231,20 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
             self.pending.append(self.capture.features()[:, :num_new])
             self.consumed = length - 1
 
-    def decoded_plainly(self, forward_features: list[torch.Tensor], first_forward_seconds: float) -> None:
-        """A plain stretch ran target forwards with these features, one a token (the first one the prefill, if the
-        stretch started the call, which took `first_forward_seconds`): the drafter takes them in when it next
-        drafts."""
+    def decoded_plainly(
+        self, forwards: int, first_forward_seconds: float, forward_features: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """A plain stretch ran `forwards` target forwards (the first one the prefill, if the stretch started the
+        call, which took `first_forward_seconds`), with these features, one piece a forward, which the drafter takes
+        in when it next drafts; none when it will not draft again in this call."""
         made_prefill = self.stats.target_forwards == 0
         if made_prefill:
             self.first_forward_is_prefill = False
             self.stats.prefill_seconds = first_forward_seconds
         self.pending += forward_features
         self.consumed += sum(features.shape[1] for features in forward_features)
-        self.stats.target_forwards += len(forward_features)
-        self.stats.skipped_steps += len(forward_features) - made_prefill
+        self.stats.target_forwards += forwards
+        self.stats.skipped_steps += forwards - made_prefill
         self.drafted_last_step = False
 
     def _new_step(self) -> None:

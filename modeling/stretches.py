@@ -78,7 +78,7 @@ class PlainStretchStopping(TimedStopping):
     """The call's stopping criteria in a plain stretch, which also ends once the sequence reaches `end_length`;
     `stopped` says whether the criteria themselves stopped (the call is over)."""
 
-    def __init__(self, criteria: StoppingCriteriaList, end_length: int, on_step: Callable[[], object]):
+    def __init__(self, criteria: StoppingCriteriaList, end_length: int, on_step: Callable[[], object] | None):
         super().__init__(criteria, on_step)
         self.end_length = end_length
         self.done: torch.BoolTensor | None = None  # the criteria's verdict on the latest step

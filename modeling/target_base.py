@@ -185,11 +185,11 @@ class HyperConnectionTarget:
     def capture(self, layer_ids: Sequence[int] | None = None) -> Iterator[FeatureCapture]:
         """Record the pre-collapse residual (layer_ids None) or the outputs of `layer_ids`, for every forward made
         in this context (a call in another thread, on the same model, is not recorded)."""
-        capture = FeatureCapture(layer_ids)
         bad = [i for i in layer_ids or [] if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} are outside the target's {self.num_layers} layers.")
         with CallHooks() as hooks:
+            capture = FeatureCapture(layer_ids, paused=hooks.paused)
             if layer_ids is None:
                 hooks.before(
                     self.collapse_head, lambda _, args: capture.record("pre_collapse", self.as_streams(args[0]))

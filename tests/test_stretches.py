@@ -14,6 +14,7 @@ from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.modeling.candidate_generator import BlockProposer
 from hf_hyperdflash.modeling.draft_policy import AdaptiveDraftPolicy
 from hf_hyperdflash.modeling.stretches import MIN_PLAIN_STRETCH
+from hf_hyperdflash.modeling.targets import get_target_adapter
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 
 WAIT = 20
@@ -158,6 +159,37 @@ def test_the_drafter_takes_in_every_position_a_plain_stretch_decoded(monkeypatch
     target.generate(_prompt(target), assistant_model=_drafter(target), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert loops.count("P") >= 2
     assert positions == list(range(len(positions))) and len(positions) > 12 + 2 * WAIT
+
+
+def test_a_stretch_that_ends_the_call_leaves_the_target_unhooked_and_still_counts_its_steps(monkeypatch):
+    """No drafted step follows the stretch that ends the call, so it neither hooks the collapse head (a hooked
+    module leaves torch's fast call path) nor keeps features, while the stretches the drafter resumes after keep the
+    hook; every stretch's forwards count in the stats, and the output is plain decoding's."""
+    target = family_target("deepseek_v4", seed=0)
+    prompt = _prompt(target)
+    plain = target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    loops = _force_waits(monkeypatch)
+    collapse_head = get_target_adapter(target).collapse_head
+    hooked, sample = [], GenerationMixin._sample
+
+    def spy(*args, **kwargs):
+        hooked.append(bool(collapse_head._forward_pre_hooks))
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_sample", spy)
+    forwards = []
+    counter = target.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    drafter = _drafter(target)
+    try:
+        out = target.generate(prompt, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False)
+    finally:
+        counter.remove()
+    assert loops[-1] == "P" and loops.count("P") >= 2
+    assert hooked[:-1] == [True] * (len(hooked) - 1) and hooked[-1] is False
+    assert not collapse_head._forward_pre_hooks  # nor after the call
+    stats = drafter.last_generation_stats
+    assert stats.target_forwards == len(forwards) and stats.skipped_steps >= 2 * WAIT
+    assert torch.equal(out, plain)
 
 
 def test_a_wait_shorter_than_a_plain_stretch_stays_in_the_assisted_loop(monkeypatch):
