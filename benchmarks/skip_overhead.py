@@ -7,8 +7,10 @@ loop, with the rewindable cache and the feature-capture hook: "in the assisted l
 (the shipped HyperDFlash drafter never drafts), so its ratio is that overhead alone. A longer wait inside a call runs
 as a plain stretch, in plain decoding's own loop (`modeling/stretches.py`): "in 64-step waits inside a call" forces
 a 64-step wait after every step the assisted loop runs (each wait ends, as a probe would, with a step of the assisted
-loop, here one that skips drafting too), so its ratio is plain stretches' overhead, switching loops included. A call
-whose every step falls in the schedule's wait runs plain decoding's loop from its start: "whole call". Prints, per
+loop, here one that skips drafting too), so its ratio is plain stretches' overhead, switching loops included. "One
+wait to the call's end" waits from the assisted loop's first iteration on: the shape of a later call in which a
+losing drafter probes once and waits (a stretch that ends the call collects no features). A call whose every step
+falls in the schedule's wait runs plain decoding's loop from its start: "whole call". Prints, per
 prompt, the median over interleaved repeats of plain / speculative time, by the wall clock, by the process's CPU
 time (one torch thread), and per step: the median interval between consecutive target forwards after the prefill,
 which a burst of load on a shared machine moves far less than a whole call's time (calls here scatter by 10-20%
@@ -54,12 +56,22 @@ def _wait_after_each_step(self, step) -> None:
     self.plain_steps_left = WAIT
 
 
+def _wait_to_the_end(self, step) -> None:
+    """After the assisted loop's first iteration, a wait through the rest of the call (one plain stretch)."""
+    self.plain_steps_left = sys.maxsize
+
+
 SKIPPING = {  # how the schedule is forced to skip every step
     "in the assisted loop": {"should_draft": lambda self: False},
     f"in {WAIT}-step waits inside a call": {
         "decodes_plainly": lambda self, steps: False,
         "should_draft": lambda self: False,
         "record": _wait_after_each_step,
+    },
+    "one wait to the call's end": {
+        "decodes_plainly": lambda self, steps: False,
+        "should_draft": lambda self: False,
+        "record": _wait_to_the_end,
     },
     "whole call": {"decodes_plainly": lambda self, steps: True},
 }
