@@ -42,7 +42,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_hyperdflash import reference
-from hf_hyperdflash.modeling.draft_policy import AdaptiveDraftPolicy
+from hf_hyperdflash.modeling.draft_policy import AdaptiveDraftPolicy, reset_draft_schedule
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -150,6 +150,17 @@ def skipping_call(decode: Callable, drafter, patches: dict[str, Callable]) -> Ca
     return call
 
 
+def fresh_schedule(call: Callable[[], object], drafter) -> Callable[[], object]:
+    """`call` with the drafter's learned schedule state cleared first: a way's forcing leaves state (a wait that
+    never ends) that the next way's call would otherwise carry over."""
+
+    def fresh_call():
+        reset_draft_schedule(drafter)
+        return call()
+
+    return fresh_call
+
+
 def parse_arguments(description: str, prompts: int) -> argparse.Namespace:
     """This folder's timing benchmarks' options: how many held-out prompts, repeats and new tokens."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,7 +196,9 @@ def main() -> None:
         input_ids = torch.tensor([encode_prompt(tokenizer, chat, enable_thinking=False)])
         decode = functools.partial(target.generate, input_ids, max_new_tokens=args.max_new_tokens)
         runs = {"plain": decode, CONTROL: decode}
-        runs |= {way: skipping_call(decode, drafter, patches) for way, patches in SKIPPING.items()}
+        runs |= {
+            way: fresh_schedule(skipping_call(decode, drafter, patches), drafter) for way, patches in SKIPPING.items()
+        }
         costs = {name: [] for name in runs}  # a dict of measures per repeat
         for repeat in range(args.repeats):  # the order rotates, so a drift favours none
             for name in list(runs)[repeat % len(runs) :] + list(runs)[: repeat % len(runs)]:
