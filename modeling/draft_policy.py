@@ -12,7 +12,8 @@ a drafter near break-even, decodes one plainly after 16 drafted steps (or more, 
 drafting loses (over the last 16 drafted steps, with two standard errors of benefit of the doubt unless 64 and more
 over the calls lost; where the last 128 and more paid, only when those 16 lose widely),
 steps decode plainly with no drafter forward, and a probe drafts again after a backoff that grows fourfold while
-probes keep losing (past 64 steps only when drafting loses widely, in the window and over the calls); a call that
+probes keep losing (past 64 steps only when drafting loses widely, in the window and over the calls; such a wait
+that would end in a call's last quarter-backoff runs on to its end, and the probe opens the next call); a call that
 would decode plainly from start to end runs plain decoding's own loop. A probe is judged as the steps after it would
 run, without the skipped context it caught up on.
 Under "adaptive" what it learned (calibration, costs, how drafted steps fared) carries over to the drafter's next call
@@ -376,10 +377,21 @@ class AdaptiveDraftPolicy(DraftPolicy):
             self.backoff = min(self.backoff, self.max_short_backoff)
             self.plain_steps_left = min(self.plain_steps_left, self.drafting_window)
 
+    def waiting_steps(self, steps_left: int) -> int:
+        """How many of the call's next `steps_left` steps the wait covers. A long wait (drafting lost widely) that
+        would end within a quarter of its backoff before the call's end runs on to the end instead, and the probe
+        opens the next call: there the prefill gives the drafter its context, where mid-call the probe followed a
+        plain stretch that collected features for it (0.6% of a step each) and cost a switch of loops each way.
+        The shipped drafter at T=1 waited 40-230 steps of a 256-token call before each such probe."""
+        wait = min(self.plain_steps_left, steps_left)
+        if 0 < wait < steps_left <= wait + self.backoff // 4 and self.backoff > self.max_short_backoff:
+            return steps_left
+        return wait
+
     def decodes_plainly(self, steps: int) -> bool:
         """Before a call: whether its next `steps` steps all decode plainly (then plain decoding's own loop runs
         them)."""
-        return self.plain_steps_left >= steps
+        return self.waiting_steps(steps) >= steps
 
     def skip(self, steps: int, step_seconds: Sequence[float]) -> None:
         """`steps` steps were decoded plainly outside the assisted loop, which timed `step_seconds` of them. Where a
@@ -525,7 +537,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return
         # Decode plainly for a while, then probe. The window still holds the steps from before the backoff, so a
         # probe that pays on its own only shortens the wait; one that loses lengthens the next. A drafter that
-        # started to pay drafts again within about 1,400 steps of the longest backoff, not 16 of them. Once the
+        # started to pay drafts again within about 1,400 steps of the longest backoff (1,700 where waits run on to a
+        # call's end: `waiting_steps`), not 16 of them. Once the
         # wait is down to one step, steps that pay on their own draft back to back until the window turns: a hard
         # stretch of text at T=0 cost HyperDFlash every other step until then (10-24 steps a prompt skipped).
         if (probe or self.backoff == 1) and self._pays(drafted.tokens, drafted.seconds):
@@ -734,8 +747,8 @@ class CallSchedule:
         wait, when it is `MIN_PLAIN_STRETCH` steps or more or reaches the call's end; else none."""
         if not self.may_wait or steps_left <= 0:
             return 0
-        wait = self.policy.plain_steps_left
-        return min(wait, steps_left) if wait >= min(MIN_PLAIN_STRETCH, steps_left) else 0
+        wait = self.policy.waiting_steps(steps_left)
+        return wait if wait >= min(MIN_PLAIN_STRETCH, steps_left) else 0
 
     def finish(self) -> None:
         if self.name == ADAPTIVE_SCHEDULE:

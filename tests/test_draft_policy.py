@@ -196,12 +196,25 @@ def test_losing_drafts_back_off_fourfold_and_a_winning_probe_resumes_drafting():
     gaps = _gaps(probes)
     assert gaps == [0] * 5 + [1, 4, 16] + [64] * 8 + [256, 1024]
     assert policy.backoff == 1024
-    assert policy.decodes_plainly(policy.plain_steps_left) and not policy.decodes_plainly(policy.plain_steps_left + 1)
+    left = policy.plain_steps_left  # a call up to a quarter of the backoff longer waits on to its end
+    assert policy.decodes_plainly(left + 256) and not policy.decodes_plainly(left + 257)
     # Drafts now bring 4 tokens per step: one probe turns the window, and every step drafts again
     winning = _step(proposed=3, accepted=3, seconds=1.0, draft=0.5, confidences=[0.9] * 3)
     waiting = policy.plain_steps_left
     assert _decode(policy, waiting + 400, winning) == list(range(waiting, waiting + 400))
     assert policy.backoff == 1
+
+
+def test_a_long_wait_ending_near_the_calls_end_runs_on_to_it():
+    """Past 64 steps (a wide loss), a wait that would end up to a quarter of its backoff before the call's end covers
+    the call: the probe opens the next one. Shorter waits, and calls that go on longer, end the wait where it ends."""
+    policy = AdaptiveDraftPolicy(max_draft=7)
+    policy.backoff, policy.plain_steps_left = 1024, 40
+    assert [policy.waiting_steps(steps) for steps in (30, 40, 296, 297)] == [30, 40, 296, 40]
+    policy.skip(296, [])
+    assert policy.plain_steps_left == 0 and policy.waiting_steps(256) == 0  # the next call probes first
+    policy.backoff, policy.plain_steps_left = 64, 40  # a short wait: drafting did not lose widely
+    assert policy.waiting_steps(50) == 40 and not policy.decodes_plainly(50)
 
 
 def test_probes_that_pay_shorten_the_wait_until_the_window_turns():
@@ -552,6 +565,25 @@ def test_a_call_the_schedule_would_decode_plainly_runs_plain_decodings_loop(tiny
     assert len(learned.costs.recent_plain_steps) == min(len(policy.costs.recent_plain_steps) + 18, 32)
     assert learned.drafted_since_plain == 0 and all(seconds > 0 for seconds in learned.costs.recent_plain_steps)
     assert _drafted_steps(tiny_target, drafter, prompt, 10) >= 1 and assisted  # 5 plain steps, then the probe
+
+
+def test_a_long_wait_ending_near_a_calls_end_moves_the_probe_to_the_next_call(tiny_target, monkeypatch):
+    """A wait past 64 steps whose end falls in a call's last quarter-backoff covers the whole call (plain decoding's
+    own, its output plain decoding's), and the next call's first step is the probe."""
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_pays", lambda self, tokens, cost: False)
+    monkeypatch.setattr(AdaptiveDraftPolicy, "_loses_widely", lambda self, steps: True)
+    drafter = _untrained(tiny_target, "adaptive")
+    prompt = torch.randint(3, tiny_target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    _drafted_steps(tiny_target, drafter, prompt, 30)
+    memory = schedule_memory(drafter)
+    key = memory.settings(tiny_target)[0]
+    policy = memory.checkout(tiny_target, key)
+    policy.backoff, policy.plain_steps_left = 1024, 15  # a wide loss's wait, ending 5 steps before the call's end
+    memory.keep(tiny_target, key, policy)
+    assert _drafted_steps(tiny_target, drafter, prompt, 20) == 0
+    assert drafter.last_generation_stats.skipped_share == 1.0
+    assert memory.checkout(tiny_target, key).plain_steps_left == 0
+    assert _drafted_steps(tiny_target, drafter, prompt, 3) == 1  # the step after the prefill drafted
 
 
 def test_nothing_learned_is_saved_or_copied(tiny_target, tmp_path):
