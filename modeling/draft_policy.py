@@ -381,8 +381,9 @@ class AdaptiveDraftPolicy(DraftPolicy):
         """How many of the call's next `steps_left` steps the wait covers. A long wait (drafting lost widely) that
         would end within a quarter of its backoff before the call's end runs on to the end instead, and the probe
         opens the next call: there the prefill gives the drafter its context, where mid-call the probe followed a
-        plain stretch that collected features for it (0.6% of a step each) and cost a switch of loops each way.
-        The shipped drafter at T=1 waited 40-230 steps of a 256-token call before each such probe."""
+        plain stretch that collected features for it (0.1%-0.8% of a step each, by instruction count) and cost a
+        switch of loops each way. The shipped drafter at T=1 waited 40-230 steps of a 256-token call before each
+        such probe."""
         wait = min(self.plain_steps_left, steps_left)
         if 0 < wait < steps_left <= wait + self.backoff // 4 and self.backoff > self.max_short_backoff:
             return steps_left
