@@ -217,6 +217,19 @@ def test_a_long_wait_ending_near_the_calls_end_runs_on_to_it():
     assert policy.waiting_steps(50) == 40 and not policy.decodes_plainly(50)
 
 
+def test_steps_that_bring_one_token_never_pay_whatever_the_clock_says():
+    """Plain steps timed slow (a busy minute: 1 s) and drafted steps timed fast (0.5 s), every draft cut before the
+    verify: one token a step reads 2x of plain decoding by the clock, yet gains nothing. Such steps back off; one
+    accepted draft a step is judged by the clock as before."""
+    policy = AdaptiveDraftPolicy(max_draft=7)
+    _time_plain_steps(policy)
+    cut = _step(proposed=0, accepted=0, seconds=0.3, draft=0.2)
+    assert len(_decode(policy, 400, cut)) < 40 and policy.backoff > 1
+    policy = AdaptiveDraftPolicy(max_draft=7)
+    _time_plain_steps(policy)
+    assert len(_decode(policy, 400, _step(3, 1, 0.3, draft=0.2))) > 300
+
+
 def test_probes_that_pay_shorten_the_wait_until_the_window_turns():
     policy = AdaptiveDraftPolicy(max_draft=7)
     _time_plain_steps(policy)
@@ -369,12 +382,16 @@ def test_a_long_run_that_lost_leaves_a_window_no_benefit_of_the_doubt():
     """Steps at 1 token per 1.1 s (0.91x of plain steps) pay only by the benefit of the doubt: with nothing drafted
     before they draft on, but for a plain step now and then, until 64 of them make a long run that lost; after 64
     drafted steps over calls at 0.87x, the first of them waits, and the waits grow. 40 such steps are no evidence
-    yet (until 24 more join them); 64 at 1.1x leave the doubt in place."""
+    yet (until 24 more join them); 64 at 1.33x (two tokens a step) leave the doubt in place."""
     near = _step(proposed=1, accepted=0, seconds=1.0, draft=0.1, confidences=[0.5])
     policies = {name: AdaptiveDraftPolicy(max_draft=1) for name in ("fresh", "lost", "too_few", "paid")}
-    for name, (count, seconds) in {"lost": (64, 1.15), "too_few": (40, 1.15), "paid": (64, 0.9)}.items():
+    for name, (count, tokens, seconds) in {
+        "lost": (64, 1, 1.15),
+        "too_few": (40, 1, 1.15),
+        "paid": (64, 2, 1.5),
+    }.items():
         for _ in range(count):
-            policies[name].long_run.append(DraftedStep(tokens=1, verified=2, seconds=seconds))
+            policies[name].long_run.append(DraftedStep(tokens=tokens, verified=2, seconds=seconds))
     for policy in policies.values():
         _time_plain_steps(policy)
     gaps = {name: _gaps(_decode(policy, 300, near)) for name, policy in policies.items()}
