@@ -8,7 +8,8 @@ verified depends only on what is known before its token is drawn (confidences 1.
 token or on later positions: a rule that looked at them would bias speculative sampling. Seconds come from timings
 of the drafter and of target forwards over 1..k+1 tokens: on a CPU a longer verify costs more, on a GPU about the
 same, so no cost is assumed. Drafting is judged against plain steps as timed: a schedule that has timed none, or
-a drafter near break-even, decodes one plainly after 16 drafted steps (or more, the more drafting gains). When
+a drafter near break-even, decodes one plainly after 16 drafted steps (or more, the more drafting gains); steps that
+brought one token each never pay, however they were timed. When
 drafting loses (over the last 16 drafted steps, with two standard errors of benefit of the doubt unless 64 and more
 over the calls lost; where the last 128 and more paid, only when those 16 lose widely),
 steps decode plainly with no drafter forward, and a probe drafts again after a backoff that grows fourfold while
