@@ -9,14 +9,13 @@ token or on later positions: a rule that looked at them would bias speculative s
 of the drafter and of target forwards over 1..k+1 tokens: on a CPU a longer verify costs more, on a GPU about the
 same, so no cost is assumed. Drafting is judged against plain steps as timed: a schedule that has timed none, or
 a drafter near break-even, decodes one plainly after 16 drafted steps (or more, the more drafting gains); steps that
-brought one token each never pay, however they were timed. When
-drafting loses (over the last 16 drafted steps, with two standard errors of benefit of the doubt unless 64 and more
-over the calls lost; where the last 128 and more paid, only when those 16 lose widely),
-steps decode plainly with no drafter forward, and a probe drafts again after a backoff that grows fourfold while
-probes keep losing (past 64 steps only when drafting loses widely, in the window and over the calls; such a wait
-that would end in a call's last quarter-backoff runs on to its end, and the probe opens the next call); a call that
-would decode plainly from start to end runs plain decoding's own loop. A probe is judged as the steps after it would
-run, without the skipped context it caught up on.
+brought one token each never pay, however they were timed. When drafting loses (over the last 16 drafted steps,
+with two standard errors of benefit of the doubt unless 64 and more over the calls lost; where the last 128 and
+more paid, only when those 16 lose widely), steps decode plainly with no drafter forward, and a probe drafts again
+after a backoff that grows fourfold while probes keep losing (past 64 steps only when drafting loses widely, in the
+window and over the calls; such a wait that would end in a call's last quarter-backoff runs on to its end, and the
+probe opens the next call); a call that would decode plainly from start to end runs plain decoding's own loop. A
+probe is judged as the steps after it would run, without the skipped context it caught up on.
 Under "adaptive" what it learned (calibration, costs, how drafted steps fared) carries over to the drafter's next call
 with the same target and setting (`ScheduleMemory`), and so does a wait unless drafting paid over the calls so far
 (how well a drafter does depends on the text; up to 16 steps of it unless they lost widely); "adaptive_transient"
@@ -543,9 +542,9 @@ class AdaptiveDraftPolicy(DraftPolicy):
         # Decode plainly for a while, then probe. The window still holds the steps from before the backoff, so a
         # probe that pays on its own only shortens the wait; one that loses lengthens the next. A drafter that
         # started to pay drafts again within about 1,400 steps of the longest backoff (1,700 where waits run on to a
-        # call's end: `waiting_steps`), not 16 of them. Once the
-        # wait is down to one step, steps that pay on their own draft back to back until the window turns: a hard
-        # stretch of text at T=0 cost HyperDFlash every other step until then (10-24 steps a prompt skipped).
+        # call's end: `waiting_steps`), not 16 of them. Once the wait is down to one step, steps that pay on their
+        # own draft back to back until the window turns: a hard stretch of text at T=0 cost HyperDFlash every other
+        # step until then (10-24 steps a prompt skipped).
         if (probe or self.backoff == 1) and self._pays(drafted.tokens, drafted.seconds):
             self.backoff = max(self.backoff // self.backoff_growth, 1)
             self.plain_steps_left = self.backoff if self.backoff > 1 else 0
