@@ -327,8 +327,8 @@ class _StretchedCall:
     def _plain(self, stretch: GenerateRequest, steps: int) -> tuple[object, bool]:
         """`steps` steps of the schedule's wait in plain decoding's loop, from the call's stock cache; the drafter
         gets their features when it next drafts. A stretch that ends the call records none: their capture cost
-        0.6% of a step (a hooked collapse head, and a record per step), and a losing drafter's wait often
-        runs from a failed probe to the call's end."""
+        0.1%-0.8% of a step by instruction count (a hooked collapse head, and a record per step), and a losing
+        drafter's wait often runs from a failed probe to the call's end."""
         self.target.release_cache(self.cache)
         end_length = stretch.input_ids.shape[1] + steps
         features = []
