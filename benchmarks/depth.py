@@ -2,7 +2,7 @@
 
     python benchmarks/depth.py --stages data --device cpu               # on CPU: tokens and prompts (30 s)
     python benchmarks/depth.py --stages target --copy-to $OUT           # GPU run 1, carrying runs/depth/data
-    python benchmarks/depth.py --stages replies,drafters --copy-to $OUT # GPU run 2, carrying what run 1 returned
+    python benchmarks/depth.py --stages replies,drafters --side-by-side --copy-to $OUT  # GPU run 2, carrying run 1's
     python benchmarks/depth.py --stages eval --device cpu               # the evaluation, on CPU
     python benchmarks/depth.py --evaluate-only DIR --device cpu --out runs/depth_eval   # the same from DIR's weights
     python benchmarks/depth.py --device cpu --smoke --out /tmp/depth    # every stage at toy size (CI)
@@ -39,10 +39,11 @@ from the wheels `bash benchmarks/device_setup.sh download` put in .whl/): run 1 
 tree, about 34 MB, and 22 MB more); run 2 carries .whl, what run 1 returned (runs/depth/target, 14 MiB, and
 runs/depth/results.json) and runs/depth/data/train_prompts.jsonl: 62 MB of the 64 MiB a run may send.
 
-Time: this target is bound by kernel launches on an H200 (about 10,000 operations per forward), not by arithmetic.
-Planned: run 1 about 5 minutes (target 270 s), run 2 about 6.5 (replies 70 s, drafters 300 s); run 2 carries the
-target but not the replies. Decoding is no faster there than on 2 CPU cores, so the evaluation runs on CPU (about 4
-minutes).
+Time: this target is bound by kernel launches on an H200 (about 10,000 operations per forward), not by arithmetic,
+so `--side-by-side` trains the two drafters at once, one process each. Measured there (docs/results.md, "Depth"): the
+target 146 s at --target-seconds 135, replies 61-112 s, the drafters side by side about 6.5 minutes for the recipe's
+2,000 steps; with a machine's start, the whole GPU part needs about 14 minutes of device time. Decoding is no
+faster there than on 2 CPU cores, so the evaluation runs on CPU (about 4 minutes).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import os
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -137,7 +139,7 @@ FULL = Size(
     eval_prompts=20,
     eval_prompt_chars=4000,  # hyperdflash eval's default, as in docs/results.md
     eval_tokens=128,
-    estimates={"data": 30, "target": 30, "replies": 70, "drafters": 300, "eval": 240},
+    estimates={"data": 30, "target": 30, "replies": 110, "drafters": 390, "eval": 240},  # drafters: --side-by-side
     estimated_on="an H200 (data and eval: 2 CPU cores)",
 )
 SMOKE = Size(
@@ -367,34 +369,64 @@ def train_arguments(out: Path, size: Size, kind: str, seed: int) -> list[str]:
     ]
 
 
-def train_drafters(out: Path, size: Size, seeds: list[int]) -> tuple[dict, list[Path]]:
-    """Both drafter kinds per seed, each exported in bf16."""
-    summary, written = {}, []
-    for seed in seeds:
-        for kind in DRAFTER_KINDS:
-            name = drafter_name(kind, seed)
-            exported = out / f"drafter_{name}"
-            if (exported / "config.json").exists():
-                continue  # trained by an earlier run
-            argv = train_arguments(out, size, kind, seed)
+def run_trainings(out: Path, arguments: dict[str, list[str]], side_by_side: bool) -> dict[str, float]:
+    """Run `hyperdflash train` once per drafter, one after the other in this process or side by side as separate
+    processes (each logging to work/<name>.log); returns each one's seconds."""
+    if not side_by_side:
+        seconds = {}
+        for name, argv in arguments.items():
             print(f"$ hyperdflash train {shlex.join(argv)}")
             start = time.perf_counter()
-            trained = train_command.run_train(
-                train_command.add_train_arguments(argparse.ArgumentParser()).parse_args(argv)
-            )
-            export_bf16(HyperDFlashForDrafting, trained, exported)
-            log = read_log(trained.parent / "run" / "log.jsonl")
-            config = json.loads((exported / "config.json").read_text())
-            summary[name] = {
-                "command": f"hyperdflash train {shlex.join(argv)}",
-                "seconds": time.perf_counter() - start,
-                "reducer": config["reducer"],
-                "conditioning": config["conditioning"],
-                "target_layer_ids": config.get("target_layer_ids"),
-                "final": log[-1],
-                "log": log,  # the training curves
-            }
-            written += [exported / "config.json", exported / "model.safetensors"]
+            train_command.run_train(train_command.add_train_arguments(argparse.ArgumentParser()).parse_args(argv))
+            seconds[name] = time.perf_counter() - start
+        return seconds
+    start, running, seconds = time.perf_counter(), {}, {}
+    (out / "work").mkdir(parents=True, exist_ok=True)
+    for name, argv in arguments.items():
+        print(f"$ hyperdflash train {shlex.join(argv)}  (log: {out / 'work' / name}.log)")
+        log = (out / "work" / f"{name}.log").open("w")
+        # -P: the installed package (on the GPU machine, /tmp/site), not the checkout in the working directory
+        command = [sys.executable, "-P", "-m", "hf_hyperdflash.training.command", *argv]
+        running[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    while running:
+        for name, process in list(running.items()):
+            if process.poll() is not None:
+                seconds[name] = time.perf_counter() - start
+                del running[name]
+                if process.returncode:
+                    raise SystemExit(f"training {name} failed; see {out / 'work' / name}.log")
+        time.sleep(1)
+    return seconds
+
+
+def train_drafters(out: Path, size: Size, seeds: list[int], side_by_side: bool) -> tuple[dict, list[Path]]:
+    """Both drafter kinds per seed, each exported in bf16. Side by side (on a GPU, where these small trainings are
+    bound by kernel launches, not arithmetic) each trains in its own process at the same time."""
+    names = [(drafter_name(kind, seed), kind, seed) for seed in seeds for kind in DRAFTER_KINDS]
+    arguments = {
+        name: train_arguments(out, size, kind, seed)
+        for name, kind, seed in names
+        if not (out / f"drafter_{name}" / "config.json").exists()  # else trained by an earlier run
+    }
+    seconds = run_trainings(out, arguments, side_by_side)
+    summary, written = {}, []
+    for name, argv in arguments.items():
+        trained = out / "work" / name / "drafter"
+        exported = out / f"drafter_{name}"
+        export_bf16(HyperDFlashForDrafting, trained, exported)
+        log = read_log(trained.parent / "run" / "log.jsonl")
+        config = json.loads((exported / "config.json").read_text())
+        summary[name] = {
+            "command": f"hyperdflash train {shlex.join(argv)}",
+            "seconds": seconds[name],
+            "side_by_side": side_by_side,
+            "reducer": config["reducer"],
+            "conditioning": config["conditioning"],
+            "target_layer_ids": config.get("target_layer_ids"),
+            "final": log[-1],
+            "log": log,  # the training curves
+        }
+        written += [exported / "config.json", exported / "model.safetensors"]
     return summary, written
 
 
@@ -489,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--drafter-steps", type=int, help=f"drafter steps (default: the recipe's {FULL.drafter_steps})"
     )
+    parser.add_argument(
+        "--side-by-side", action="store_true", help="train the drafters at the same time, one process each (GPU)"
+    )
     parser.add_argument("--evaluate-only", type=Path, metavar="DIR", help="evaluate the models in DIR into --out")
     parser.add_argument("--copy-to", type=Path, help="copy each stage's files, results.json and report.md here")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -521,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": lambda: prepare_data(out, size),
         "target": lambda: train_target(out, size, args.device),
         "replies": lambda: generate_target_replies(out, size, args.device),
-        "drafters": lambda: train_drafters(out, size, args.seeds),
+        "drafters": lambda: train_drafters(out, size, args.seeds, args.side_by_side),
         "eval": lambda: evaluate(models, out, size, args.device, args.seeds),
     }
     machine = machine_description()

@@ -35,7 +35,8 @@ def test_gpu_plan_at_toy_size_then_evaluation_from_the_returned_files(tmp_path, 
     common = ["--device", "cpu", "--smoke", "--out", str(out)]
     assert depth.main([*common, "--stages", "data"]) == 0
     assert depth.main([*common, "--stages", "target", "--copy-to", str(returned / "run1")]) == 0
-    assert depth.main([*common, "--stages", "replies,drafters", "--copy-to", str(returned / "run2")]) == 0
+    run2 = ["--stages", "replies,drafters", "--side-by-side", "--copy-to", str(returned / "run2")]  # as on the GPU
+    assert depth.main([*common, *run2]) == 0
     for run in ("run1", "run2"):
         files = _files(returned / run)
         assert len(files) <= 8 and all(len(path.parts) <= 3 for path in files), files
