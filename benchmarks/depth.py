@@ -79,7 +79,6 @@ from hf_hyperdflash.reference.build import TARGET_LOOP, export_bf16, render_for_
 from hf_hyperdflash.reference.config import SEQUENCE_LENGTH, reference_target_config
 from hf_hyperdflash.sharegpt import Conversation, load_conversations
 from hf_hyperdflash.testing import randomize_hash_table
-from hf_hyperdflash.training import command as train_command
 from hf_hyperdflash.training import options as train_options
 from hf_hyperdflash.training.curves import read_log
 from hf_hyperdflash.training.data import generate_replies
@@ -370,32 +369,32 @@ def train_arguments(out: Path, size: Size, kind: str, seed: int) -> list[str]:
 
 
 def run_trainings(out: Path, arguments: dict[str, list[str]], side_by_side: bool) -> dict[str, float]:
-    """Run `hyperdflash train` once per drafter, one after the other in this process or side by side as separate
-    processes (each logging to work/<name>.log); returns each one's seconds."""
-    if not side_by_side:
-        seconds = {}
-        for name, argv in arguments.items():
-            print(f"$ hyperdflash train {shlex.join(argv)}")
-            start = time.perf_counter()
-            train_command.run_train(train_command.add_train_arguments(argparse.ArgumentParser()).parse_args(argv))
-            seconds[name] = time.perf_counter() - start
-        return seconds
-    start, running, seconds = time.perf_counter(), {}, {}
+    """Run `hyperdflash train` once per drafter, each in its own process logging to work/<name>.log: one after the
+    other, or all at once when `side_by_side`; returns each one's seconds."""
     (out / "work").mkdir(parents=True, exist_ok=True)
+    running, seconds = {}, {}
+
+    def wait_for(name: str) -> None:
+        process, log, start = running.pop(name)
+        process.wait()
+        log.close()
+        seconds[name] = time.perf_counter() - start
+        if process.returncode:
+            raise SystemExit(f"training {name} failed; see {log.name}")
+
     for name, argv in arguments.items():
-        print(f"$ hyperdflash train {shlex.join(argv)}  (log: {out / 'work' / name}.log)")
         log = (out / "work" / f"{name}.log").open("w")
+        print(f"$ hyperdflash train {shlex.join(argv)}  (log: {log.name})")
         # -P: the installed package (on the GPU machine, /tmp/site), not the checkout in the working directory
         command = [sys.executable, "-P", "-m", "hf_hyperdflash.training.command", *argv]
-        running[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    while running:
-        for name, process in list(running.items()):
-            if process.poll() is not None:
-                seconds[name] = time.perf_counter() - start
-                del running[name]
-                if process.returncode:
-                    raise SystemExit(f"training {name} failed; see {out / 'work' / name}.log")
-        time.sleep(1)
+        running[name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter())
+        if not side_by_side:
+            wait_for(name)
+    while running:  # side by side: each one's time ends when it does
+        finished = [name for name, (process, _, _) in running.items() if process.poll() is not None]
+        for name in finished:
+            wait_for(name)
+        time.sleep(0 if finished else 1)
     return seconds
 
 
