@@ -1,4 +1,5 @@
-"""Tiny mHC targets (DeepSeek-V4, HY-V4, GLM-5-Next, Qwen4-Exp) for tests and CPU benchmarks.
+"""Tiny mHC targets (DeepSeek-V4, HY-V4, GLM-5-Next, Qwen4-Exp) for tests and CPU benchmarks, and the Hub path's
+check: drafters saved as a user publishes them, decoded in a process that cannot import this library.
 
 The stock `DeepseekV4ForCausalLM` is used unchanged; only the config is shrunk. The layer schedule
 covers every attention type (sliding, CSA with its indexer, HCA) and both MoE kinds (hash, top-k),
@@ -7,8 +8,13 @@ with compression rates small enough that several windows close within a short pr
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -298,3 +304,134 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     statistic = ((observed_cells[keep] - expected_cells[keep]) ** 2 / expected_cells[keep]).sum()
     dof = torch.tensor(int(keep.sum()) - 1, dtype=torch.float64)
     return float(torch.special.gammaincc(dof / 2, statistic / 2))
+
+
+# Prepended to a child script: the process plays a user who never installed this library.
+BLOCK_LIBRARY = """
+import importlib.abc, sys, warnings
+class BlockLibrary(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "hf_hyperdflash":
+            raise ImportError(f"{name} is blocked: this process plays a user without the library")
+sys.meta_path.insert(0, BlockLibrary())
+try:
+    import hf_hyperdflash
+    raise SystemExit("the blocker did not block")
+except ImportError:
+    pass
+warnings.simplefilter("error", FutureWarning)
+warnings.simplefilter("error", DeprecationWarning)
+"""
+
+# argv[1]: JSON cases {"target", "target_class", "prompt", "drafters"}; prints one JSON list: a result per drafter
+# (greedy identical to plain decoding, tau, and the new tokens of a seeded T=1 call), then whether the library loaded.
+DECODE_EVERY_PAIR = """
+import json, sys, torch, transformers
+from transformers import AutoModel
+results = []
+for case in json.loads(sys.argv[1]):
+    target_class = getattr(transformers, case.get("target_class", "AutoModelForCausalLM"))
+    target = target_class.from_pretrained(case["target"], dtype=torch.float32).eval()
+    prompt = torch.tensor([case["prompt"]])
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    for path in case["drafters"]:
+        drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+        speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+        stats = drafter.last_generation_stats
+        torch.manual_seed(0)
+        sampling = dict(max_new_tokens=24, min_new_tokens=24, do_sample=True)
+        sampled = target.generate(prompt, assistant_model=drafter, **sampling)
+        results.append({
+            "drafter": path,
+            "module": type(drafter).__module__,
+            "identical": torch.equal(plain, speculative),
+            "tau": stats.mean_accepted_length,
+            "new_tokens": stats.new_tokens,
+            "sampled_new_tokens": sampled.shape[1] - prompt.shape[1],
+        })
+results.append({"library_imported": "hf_hyperdflash" in sys.modules})
+print(json.dumps(results))
+"""
+
+
+def run_python(workdir: Path, script: str, *args: str) -> str:
+    """Run `script` in a fresh interpreter (offline, its own remote-code cache under `workdir`); its stdout."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(Path(workdir) / "modules")}
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=600
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"the child process failed:\n{result.stderr[-4000:]}")
+    return result.stdout
+
+
+def run_without_the_library(workdir: Path, script: str, *args: str) -> str:
+    """`run_python` in a process where `import hf_hyperdflash` fails, and deprecation warnings are errors."""
+    return run_python(workdir, BLOCK_LIBRARY + script, *args)
+
+
+# Longer than the tiny targets' sliding windows, and several of V4's compression windows (rates 4 and 8)
+HUB_PROMPT = [
+    5,
+    17,
+    33,
+    9,
+    250,
+    11,
+    12,
+    40,
+    77,
+    3,
+    19,
+    23,
+    8,
+    101,
+    44,
+    6,
+    7,
+    90,
+    15,
+    61,
+    29,
+    300,
+    42,
+    18,
+    77,
+    5,
+    9,
+    13,
+]
+
+
+def save_every_family(root: Path) -> list[dict]:
+    """Tiny targets of every family with untrained drafters for them (DeepSeek-V4: HyperDFlash, vanilla DFlash and
+    native MTP; the others: HyperDFlash), saved with `save_pretrained` under `root`; the cases `DECODE_EVERY_PAIR`
+    decodes."""
+    from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+
+    root = Path(root)
+    builders = {"deepseek_v4": tiny_deepseek_v4, "hy_v4": tiny_hy_v4, "glm5_next": tiny_glm5_next}
+    builders["qwen4_exp"] = tiny_qwen4_exp
+    cases = []
+    for family, build in builders.items():
+        target = build(seed=3)
+        target.save_pretrained(root / family / "target")
+        torch.manual_seed(0)
+        drafters = {"hyperdflash": HyperDFlashForDrafting.from_target(target, block_size=4)}
+        if family == "deepseek_v4":
+            drafters["vanilla_dflash"] = HyperDFlashForDrafting.from_target(
+                target, block_size=4, reducer="dense", conditioning="intermediate"
+            )
+            drafters["mtp"] = DeepseekV4MTPForDrafting.from_target(target)
+        for kind, drafter in drafters.items():
+            drafter.save_pretrained(root / family / kind)
+        cases.append(
+            {
+                "target": str(root / family / "target"),
+                "target_class": type(target).__name__,
+                "prompt": HUB_PROMPT,
+                "drafters": [str(root / family / kind) for kind in drafters],
+            }
+        )
+    (root / "cases.json").write_text(json.dumps(cases, indent=1))
+    return cases

@@ -46,6 +46,8 @@ class _RewindableSlidingKeysMixin(CacheLayerMixin):
 
     # A cache layer with no instance layout of its own, so a layer can switch between the stock and rewindable classes
     __slots__ = ()
+    # What transformers (5.25 on) asks before assisted decoding: the stock HCA and CSA layers say False
+    is_croppable = True
     sliding_window: int
     cumulative_length: int
     _history = ("max_draft", "undo_single_token_forwards", "key_history", "min_length")  # not in the stock layer
@@ -91,7 +93,7 @@ class _RewindableSlidingKeysMixin(CacheLayerMixin):
         window = min(self.cumulative_length, self.sliding_window - 1)
         self.keys = self.values = self.key_history.narrow(-2, self.key_history.shape[-2] - window, window)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """No-op: the history `crop` needs is always kept (bounded by `max_draft`); there is nothing to switch on."""
 
     def check_rewind(self, length: int) -> None:

@@ -1,9 +1,12 @@
 """Linear-attention cache layers whose `crop` rolls back exactly (GLM-5-Next's KDA, Qwen4-Exp's GatedDeltaNet and
-its PLE states), for hybrid caches that verification can rewind.
+its PLE states), for hybrid caches that verification can rewind, on transformers before 5.25 (from 5.25 transformers
+rolls these layers back itself, `target_linear_attention.py`; this module goes once the oldest supported version is
+5.25).
 
-The stock `LinearAttentionLayer` keeps only the latest conv windows and recurrent state; with past recording on, its
-`crop` restores the conv windows but leaves the recurrent state where the rejected tokens put it (measured on tiny
-GLM-5-Next and Qwen4-Exp targets: off by 2-3e-3, next-token logits off by 5e-2). The layer here keeps, for the
+Before 5.25 the stock `LinearAttentionLayer` keeps only the latest conv windows and recurrent state; with past
+recording on, its `crop` restores the conv windows but leaves the recurrent state where the rejected tokens put it
+(measured on tiny GLM-5-Next and Qwen4-Exp targets: off by 2-3e-3, next-token logits off by 5e-2). The layer here
+keeps, for the
 forwards a rollback can reach (at most `max_draft` tokens back), each forward's starting state (conv windows and
 recurrent state) and its inputs: the conv columns it appended and the delta-rule kernel's inputs. Rolling back into
 a forward re-runs the family's own kernel over the tokens kept, from that forward's starting state, and rebuilds the
@@ -164,7 +167,7 @@ class RewindableLinearAttentionLayer(LinearAttentionLayer):
     def is_croppable(self) -> bool:
         return True
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """No-op: the history `crop` needs is always kept (bounded by `max_draft`)."""
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:

@@ -21,7 +21,7 @@ from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
 from .step_timer import IterationTiming, StepTimer
 from .target_base import HyperConnectionTarget, activation_dtype
-from .transformers_compat import CACHE_ARGUMENT
+from .transformers_compat import CACHE_ARGUMENT, cached_length
 
 
 class TokenPicker:
@@ -223,6 +223,11 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         timer.on_close = self._iteration_done
         self._new_step()
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most drafts a step verifies: what the target cache must be able to roll back (transformers 5.25 on)."""
+        return self.policy.max_draft
+
     def take_verified(self, length: int) -> None:
         """Of the last target forward's positions, those now verified (all but the newest of `length` tokens) go to
         the drafter's next forward. Each step does this; an assisted stretch that stops does it for its last step."""
@@ -274,7 +279,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         if is_first_iteration:
             if self.stats.target_forwards > 1:  # a later stretch's first forward: one token, no draft
                 self.stats.skipped_steps += 1
-            self.consumed = model_kwargs[CACHE_ARGUMENT].get_seq_length()
+            self.consumed = cached_length(model_kwargs[CACHE_ARGUMENT])
             self.model_kwargs_overrides = {}
             if self.consumed:
                 self.model_kwargs_overrides["input_ids"] = input_ids[:, self.consumed :]

@@ -58,7 +58,14 @@ from .stretches import (
 )
 from .target_base import HyperConnectionTarget
 from .targets import TARGET_FAMILIES, get_target_adapter
-from .transformers_compat import CACHE_ARGUMENT, CACHE_ARGUMENTS, pop_user_cache
+from .transformers_compat import (
+    CACHE_ARGUMENT,
+    CACHE_ARGUMENTS,
+    cached_length,
+    check_internals,
+    pop_user_cache,
+    warn_if_untested,
+)
 
 _INSTALLED_BY = "_hyperdflash_integration"  # attribute of the wrapper: the module that installed it
 
@@ -195,8 +202,8 @@ def _exact_assisted_call(
                 _get_stopping_criteria=stopping_criteria,
                 _get_candidate_generator=build_candidate_generator,
             ),
-            target.verify_as_decoding(prompt_length, request.positions_may_lag_cache),
-            outputs_split_per_token(target.one_token_key_columns, target.prompt_key_columns, cache.get_seq_length()),
+            target.verify_as_decoding(prompt_length, request.positions_may_lag_cache, cache),
+            outputs_split_per_token(target.one_token_key_columns, target.prompt_key_columns, cached_length(cache)),
         ):
             output = original_generate(target.model, **arguments, **kwargs)
         output = stopping[0].finish(output, cache, prompt_length)
@@ -209,6 +216,7 @@ def _exact_assisted_call(
 
 def speculative_generate(original_generate: Callable, request: GenerateRequest, drafter: PreTrainedModel):
     start = synchronized_clock()
+    check_internals()
     target = get_target_adapter(request.model)
     check_compatible(target, drafter)
     draft_length = num_draft_tokens(drafter)
@@ -422,11 +430,12 @@ def _plain_call(
 def uses_stock_drafting(model: PreTrainedModel, arguments: dict) -> bool:
     """Prompt lookup or a stock assistant on a target of a supported family: the runtime supplies what makes it
     exact (caches that roll back where the family is stateful; for every family, per-token outputs in plain
-    decoding's shapes). A stateless family continuing from a passed cache keeps transformers' own path."""
+    decoding's shapes). A family whose stock cache rolls back, continuing from a passed cache, keeps transformers' own
+    path."""
     if getattr(getattr(model, "config", None), "model_type", None) not in TARGET_FAMILIES:
         return False
     cache = next((arguments.get("kwargs", {}).get(name) for name in CACHE_ARGUMENTS), None)
-    if not getattr(type(model), "_is_stateful", False) and cache is not None and cache.get_seq_length() > 0:
+    if get_target_adapter(model).stock_cache_rolls_back and cache is not None and cached_length(cache) > 0:
         return False
     from_config = getattr(arguments.get("generation_config"), "prompt_lookup_num_tokens", None)
     lookup = arguments.get("kwargs", {}).get("prompt_lookup_num_tokens", from_config)
@@ -452,8 +461,9 @@ def _prefill_without_draft(generator) -> None:
 def stock_drafting_generate(original_generate: Callable, request: GenerateRequest):
     """Prompt lookup or a stock assistant (transformers' own candidate generators) on an mHC target: the target, and
     a stateful assistant, get caches that roll back exactly."""
+    check_internals()
     target = get_target_adapter(request.model)
-    if request.cache is not None and request.cache.get_seq_length() > 0:
+    if request.cache is not None and cached_length(request.cache) > 0:
         raise ValueError(
             "Prompt lookup and stock assistants cannot continue from a passed cache on this target; pass the whole "
             f"conversation without `{CACHE_ARGUMENT}`, or use a HyperDFlash drafter, which can."
@@ -471,9 +481,10 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
     def candidate_generator(original: Callable, **options):
         generator = original(**options)
         _prefill_without_draft(generator)
-        if getattr(type(assistant), "_is_stateful", False):  # a stateless assistant's stock cache crops exactly
-            assistant_target = get_target_adapter(assistant)
-            generator.assistant_kwargs[CACHE_ARGUMENT] = assistant_target.make_assistant_cache(max_draft)
+        # An mHC assistant whose stock cache does not roll back gets one that does (another model keeps its own)
+        family = TARGET_FAMILIES.get(getattr(getattr(assistant, "config", None), "model_type", None))
+        if family is not None and not family.stock_cache_rolls_back:
+            generator.assistant_kwargs[CACHE_ARGUMENT] = family(assistant).make_assistant_cache(max_draft)
         return generator
 
     cache = _call_cache(target, request.cache, max_draft)
@@ -504,7 +515,9 @@ def _wrap_generate(original_generate: Callable) -> Callable:
 
 def install_generate_integration() -> None:
     """Make `generate()` understand our drafters. Idempotent: one wrapper per process, whichever copy installs it.
-    Also makes the sparse indexers break exact score ties by position, so verify forwards select what decoding does."""
+    Also makes the sparse indexers break exact score ties by position, so verify forwards select what decoding does,
+    and warns once if this transformers is newer than the tested range."""
+    warn_if_untested()
     install_deterministic_indexer()
     current = GenerationMixin.generate
     installed_by = getattr(current, _INSTALLED_BY, None)

@@ -65,7 +65,8 @@ def outputs_split_per_token(
 ) -> AbstractContextManager[None]:
     """Use `split_per_token` inside `_assisted_decoding`, for this call only."""
 
-    def split(_original, *args, **kwargs):
+    def split(_original, *args, input_shape: tuple | None = None, **kwargs):
+        # 5.25 passes the forward's input shape to find the sequence axis: it is axis 1 in every family here
         return split_per_token(
             *args,
             **kwargs,

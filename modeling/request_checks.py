@@ -13,6 +13,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from .draft_options import BLOCK_DRAFTER_TYPE, DEFAULT_MTP_DEPTH, MTP_DRAFTER_TYPE, SCHEDULES
 from .target_base import HyperConnectionTarget
 from .target_fingerprint import target_fingerprint
+from .transformers_compat import cached_length
 
 
 def check_compatible(target: HyperConnectionTarget, drafter: PreTrainedModel) -> None:
@@ -181,8 +182,8 @@ def refuse_images(model_kwargs: dict) -> None:
 
 def check_cached_prefix(cache: Cache, prompt_length: int) -> None:
     """A cache the caller passed in holds a strict prefix of the prompt."""
-    if cache.get_seq_length() >= prompt_length:
+    if cached_length(cache) >= prompt_length:
         raise ValueError(
-            f"The target cache passed in already holds {cache.get_seq_length()} tokens, but the prompt has "
+            f"The target cache passed in already holds {cached_length(cache)} tokens, but the prompt has "
             f"{prompt_length}: pass the whole conversation so far plus at least one new token."
         )

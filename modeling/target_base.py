@@ -48,6 +48,8 @@ class HyperConnectionTarget:
 
     family: str
     has_native_mtp: bool = False  # whether the native-MTP drafter (DeepSeek-V4's MTP block) fits this family
+    # Whether transformers' own assisted decoding, cropping plain decoding's cache, rolls this family back exactly
+    stock_cache_rolls_back: bool = False
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
@@ -164,9 +166,12 @@ class HyperConnectionTarget:
                 f"per step. Build it with {cache_class}(config, max_draft={max_draft}), or omit `{CACHE_ARGUMENT}`."
             )
 
-    def verify_as_decoding(self, prompt_length: int, positions_may_lag: bool = True) -> AbstractContextManager:
-        """For one call: whatever makes a verify forward's rows equal one-token decoding's (nothing by default).
-        `positions_may_lag`: the call's position ids may fall behind the cache indices (a padded prompt)."""
+    def verify_as_decoding(
+        self, prompt_length: int, positions_may_lag: bool = True, cache: Cache | None = None
+    ) -> AbstractContextManager:
+        """For one call on `cache`: whatever makes a verify forward's rows equal one-token decoding's, and its
+        rollbacks exact (nothing by default). `positions_may_lag`: the call's position ids may fall behind the cache
+        indices (a padded prompt)."""
         return nullcontext()
 
     def one_token_key_columns(self, layer_idx: int, cache_length: int, num_queries: int, query: int) -> torch.Tensor:

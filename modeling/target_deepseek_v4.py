@@ -35,7 +35,9 @@ class DeepseekV4Target(HyperConnectionTarget):
         if isinstance(cache, RewindableDeepseekV4Cache):
             make_stock(cache)
 
-    def verify_as_decoding(self, prompt_length: int, positions_may_lag: bool = True) -> AbstractContextManager:
+    def verify_as_decoding(
+        self, prompt_length: int, positions_may_lag: bool = True, cache: Cache | None = None
+    ) -> AbstractContextManager:
         """A verify forward's rows see the compressed entries one-token decoding sees, also when a padded prompt
         makes position ids lag the cache (while they are cache indices, the stock mask already is decoding's)."""
         return hca_visibility_as_decoding(self.model, prompt_length) if positions_may_lag else nullcontext()

@@ -19,6 +19,7 @@ from .transformers_compat import CACHE_ARGUMENT
 
 class HYV4Target(HyperConnectionTarget):
     family = "hy_v4"
+    stock_cache_rolls_back = True
 
     def make_cache(self, max_draft: int) -> DynamicCache:
         return DynamicCache(config=self.config)

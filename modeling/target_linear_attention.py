@@ -1,7 +1,13 @@
 """Adapters for hybrid mHC targets with linear attention: GLM-5-Next (KDA) and Qwen4-Exp (GatedDeltaNet with PLE).
 
-Both keep linear-attention states that stock `crop` cannot roll back, so they get a `RewindableHybridCache`, and
-their delta-rule kernels are recorded during a call so that rollback can replay the accepted part of a block.
+Both keep linear-attention states. From transformers 5.25, the stock cache rolls them back itself: assisted decoding
+turns on past recording, and a verify forward computes its last `recurrent_states_to_keep` states one token at a time
+(with decoding's one-token kernel) for `crop` to restore. Its `crop(-n)` restores the `n`-th state back counting the
+state before the forward, so it reaches `n` tokens back only when `n + 1` states were kept: a call keeps one more than
+the drafts (`_keeping_one_more_state`; with stock's count, rejecting a whole block restored the state before its
+first token: prompt lookup on tiny GLM-5-Next targets gave plain decoding's tokens for 0 of 8 prompts, 8 of 8 with
+one more). Before 5.25 they get a `RewindableHybridCache` (`cache_linear_attention.py`), and their delta-rule kernels
+are recorded during a call so that rollback can replay the accepted part of a block.
 
 - GLM-5-Next (`Glm5NextForConditionalGeneration`; text model `model.language_model`): `[B, S, hc, D]` streams,
   collapsed by a parameter-free mean (`hc_head`) and normed by `norm`. The inherited gate starts as that mean.
@@ -14,6 +20,7 @@ their delta-rule kernels are recorded during a call so that rollback can replay 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import ModuleType
 
@@ -21,32 +28,79 @@ import torch
 import transformers.models.glm5_next.modeling_glm5_next as glm5_next
 import transformers.models.qwen4_exp.modeling_qwen4_exp as qwen4_exp
 from torch import nn
-from transformers import Cache
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import LinearAttentionLayer
 
+from . import call_scope
 from .cache_linear_attention import RewindableHybridCache, make_rewindable, make_stock, recording_kernels
 from .target_base import HyperConnectionTarget
+from .transformers_compat import CACHE_ARGUMENT, STOCK_LINEAR_ATTENTION_ROLLBACK
 
 
 class LinearAttentionTarget(HyperConnectionTarget):
     kernel_module: ModuleType
-    kernel_names: tuple[str, str]  # the chunked and the one-token delta-rule kernels
+    kernel_names: tuple[str, str]  # the chunked and the one-token delta-rule kernels (before 5.25)
 
-    def make_cache(self, max_draft: int) -> RewindableHybridCache:
+    def make_cache(self, max_draft: int) -> Cache:
+        if STOCK_LINEAR_ATTENTION_ROLLBACK:
+            return DynamicCache(config=self.config)
         return RewindableHybridCache(self.config, max_draft=max_draft)
+
+    def make_assistant_cache(self, max_draft: int) -> Cache:
+        cache = self.make_cache(max_draft)
+        if STOCK_LINEAR_ATTENTION_ROLLBACK:  # each drafting forward records the state before it, which `crop` restores
+            cache.activate_past_recording(recurrent_states_to_keep=0)
+        return cache
 
     def adopt_cache(self, cache: Cache, max_draft: int) -> Cache:
         if self._is_plain_decodings_cache(cache):
-            return make_rewindable(cache, max_draft)
+            return cache if STOCK_LINEAR_ATTENTION_ROLLBACK else make_rewindable(cache, max_draft)
+        if STOCK_LINEAR_ATTENTION_ROLLBACK:
+            raise ValueError(
+                f"Speculative decoding on {self.family} continues from plain decoding's cache, "
+                f"`DynamicCache(config=target.config)`, got {type(cache).__name__}. Omit `{CACHE_ARGUMENT}` (one is "
+                "created for you)."
+            )
         self._check_rewindable(cache, max_draft, "RewindableHybridCache")
         return cache
 
     def release_cache(self, cache: Cache) -> None:
-        if isinstance(cache, RewindableHybridCache):
+        if STOCK_LINEAR_ATTENTION_ROLLBACK:
+            _stop_recording(cache)
+        elif isinstance(cache, RewindableHybridCache):
             make_stock(cache)
 
-    def verify_as_decoding(self, prompt_length: int, positions_may_lag: bool = True) -> AbstractContextManager:
-        """The delta-rule kernels hand their inputs to the cache, which replays them on a rollback."""
+    def verify_as_decoding(
+        self, prompt_length: int, positions_may_lag: bool = True, cache: Cache | None = None
+    ) -> AbstractContextManager:
+        """From 5.25, the call's cache keeps a state for every token a rollback can remove; before, the delta-rule
+        kernels hand their inputs to the cache, which replays them on a rollback."""
+        if STOCK_LINEAR_ATTENTION_ROLLBACK:
+            return call_scope.methods(cache, activate_past_recording=_keeping_one_more_state)
         return recording_kernels(self.kernel_module, *self.kernel_names)
+
+
+def _keeping_one_more_state(activate: Callable, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+    """Past recording that keeps the states `crop` restores after rejecting every draft (module docstring)."""
+    keep = None if recurrent_states_to_keep is None else recurrent_states_to_keep + 1
+    activate(recurrent_states_to_keep=keep, **kwargs)
+
+
+def _stop_recording(cache: Cache) -> None:
+    """Past recording off, its history dropped: the layers as plain decoding leaves them. Assisted decoding's last
+    `crop` cut the conv windows back to at most the kernel size; a window that started from a prompt shorter than the
+    kernel is padded with the zeros plain decoding's holds (the convolution pads with zeros either way)."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionLayer) and layer.record_past:
+            layer.record_past = False
+            del layer.recurrent_states_to_keep, layer.recurrent_states_history
+            for i, window in layer.conv_states.items():
+                if window is not None:
+                    layer.conv_states[i] = _left_padded(window, layer.conv_kernel_size[i])
+
+
+def _left_padded(window: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(window, (width - window.shape[-1], 0))
 
 
 class Glm5NextTarget(LinearAttentionTarget):

@@ -21,6 +21,8 @@ from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashConfig, HyperDFl
 from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
+pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
+
 PROMPT = torch.tensor([[5, 17, 33, 9, 250, 12]])
 
 

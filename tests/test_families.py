@@ -49,8 +49,9 @@ def _eager(target):
     return target
 
 
-def _pairs(family: str, seeds, reducer: str = "inherited_gate"):
-    """(plain, speculative) greedy outputs per seed on tiny targets of `family`, drafts mostly accepted."""
+def _pairs(family: str, seeds, reducer: str = "inherited_gate", check_acceptance: bool = True):
+    """(plain, speculative) greedy outputs per seed on tiny targets of `family`, drafts mostly accepted (checked,
+    unless the outputs are expected to part, when the oracle's drafts stop matching)."""
     for seed in seeds:
         target = _eager(BUILDERS[family](seed=seed))
         drafter = HyperDFlashForDrafting.from_target(target, block_size=8, reducer=reducer).eval()
@@ -61,7 +62,7 @@ def _pairs(family: str, seeds, reducer: str = "inherited_gate"):
             speculative = target.generate(
                 prompt, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False, **OUTPUTS
             )
-        assert max(drafter.last_generation_stats.accepted_per_step) >= 2
+        assert max(drafter.last_generation_stats.accepted_per_step) >= 2 or not check_acceptance
         yield plain, speculative
 
 
@@ -87,7 +88,8 @@ def test_vanilla_dflash_drafter_is_lossless_too(family):
 def test_hy_v4_stock_tie_breaking_makes_verification_differ(monkeypatch):
     """Negative control: HY-V4's indexer ties also differ between verify and one-token forwards without the fix."""
     monkeypatch.setattr(HYV4Indexer, "forward", HYV4Indexer.forward.__wrapped__)
-    assert any(not torch.equal(p.sequences, s.sequences) for p, s in _pairs("hy_v4", seeds=range(4)))
+    pairs = _pairs("hy_v4", seeds=range(4), check_acceptance=False)
+    assert any(not torch.equal(p.sequences, s.sequences) for p, s in pairs)
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))

@@ -26,6 +26,8 @@ from hf_hyperdflash.testing import (
     tiny_qwen4_exp_composite,
 )
 
+pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
+
 SEEDS = range(10)
 PROMPT_TOKENS = 7
 VOCAB = 99

@@ -7,9 +7,7 @@ stock target and saved drafters, and compares speculative with plain greedy deco
 """
 
 import json
-import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -22,59 +20,19 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 import hf_hyperdflash
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting, reference
 from hf_hyperdflash.modeling import integration
-from hf_hyperdflash.testing import tiny_deepseek_v4
+from hf_hyperdflash.testing import (
+    DECODE_EVERY_PAIR,
+    run_python,
+    run_without_the_library,
+    save_every_family,
+    tiny_deepseek_v4,
+)
+
+pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
 
 RUNTIME_DIR = Path(hf_hyperdflash.modeling.__file__).parent
 RUNTIME_FILES = {path.name for path in RUNTIME_DIR.glob("*.py")} - {"__init__.py"}
 README = Path(__file__).parents[1] / "README.md"
-
-BLOCK_LIBRARY = """
-import importlib.abc, sys, warnings
-class BlockLibrary(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "hf_hyperdflash":
-            raise ImportError(f"{name} is blocked: this process plays a user without the library")
-sys.meta_path.insert(0, BlockLibrary())
-try:
-    import hf_hyperdflash
-    raise SystemExit("the blocker did not block")
-except ImportError:
-    pass
-warnings.simplefilter("error", FutureWarning)
-warnings.simplefilter("error", DeprecationWarning)
-"""
-
-DECODE_EVERY_PAIR = """
-import json, sys, torch
-from transformers import AutoModel, AutoModelForCausalLM
-results = []
-for case in json.loads(sys.argv[1]):
-    target = AutoModelForCausalLM.from_pretrained(case["target"], dtype=torch.float32).eval()
-    prompt = torch.tensor([case["prompt"]])
-    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
-    for path in case["drafters"]:
-        drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
-        speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
-        stats = drafter.last_generation_stats
-        results.append({
-            "drafter": path,
-            "module": type(drafter).__module__,
-            "identical": torch.equal(plain, speculative),
-            "tau": stats.mean_accepted_length,
-            "new_tokens": stats.new_tokens,
-        })
-results.append({"library_imported": "hf_hyperdflash" in sys.modules})
-print(json.dumps(results))
-"""
-
-
-def run_child(tmp_path: Path, script: str, *args: str) -> str:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    result = subprocess.run(
-        [sys.executable, "-c", script, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +97,7 @@ def test_fresh_process_without_the_library_decodes_losslessly(saved, tmp_path):
             "drafters": [str(saved[f"reference_{k}"]) for k in ("hyperdflash", "vanilla_dflash", "mtp")],
         },
     ]
-    output = run_child(tmp_path, BLOCK_LIBRARY + DECODE_EVERY_PAIR, json.dumps(cases))
+    output = run_without_the_library(tmp_path, DECODE_EVERY_PAIR, json.dumps(cases))
     *results, status = json.loads(output.strip().splitlines()[-1])
     assert status == {"library_imported": False}
     assert len(results) == 5
@@ -149,6 +107,22 @@ def test_fresh_process_without_the_library_decodes_losslessly(saved, tmp_path):
         assert result["new_tokens"] == 24 and result["tau"] >= 1.0, result
     shipped_tau = {Path(r["drafter"]).name: r["tau"] for r in results}
     assert shipped_tau["reference_hyperdflash"] > 1.5  # the trained drafter really drafts through the remote code
+
+
+def test_every_family_and_drafter_kind_decodes_without_the_library(tmp_path):
+    """Saved drafters for every family (all three kinds on DeepSeek-V4) give plain decoding's greedy tokens on a prompt
+    past the sliding windows, and a seeded T=1 call completes, in a process that cannot import the library.
+    `.ci/hub_across_versions.py` runs the same cases across transformers versions (saved under one, run under
+    another)."""
+    cases = save_every_family(tmp_path / "saved")
+    output = run_without_the_library(tmp_path, DECODE_EVERY_PAIR, json.dumps(cases))
+    *results, status = json.loads(output.splitlines()[-1])
+    assert status == {"library_imported": False}
+    assert len(results) == 6
+    for result in results:
+        assert result["module"].startswith("transformers_modules."), result
+        assert result["identical"] and result["new_tokens"] == 24, result
+        assert result["sampled_new_tokens"] == 24, result
 
 
 def test_readme_snippet_runs_without_the_library(saved, tmp_path):
@@ -172,7 +146,7 @@ def test_readme_snippet_runs_without_the_library(saved, tmp_path):
         print("ok")
         """
     )
-    assert run_child(tmp_path, BLOCK_LIBRARY + prelude + snippet + check).strip().endswith("ok")
+    assert run_without_the_library(tmp_path, prelude + snippet + check).strip().endswith("ok")
 
 
 def test_library_and_remote_drafters_share_one_integration(saved):
@@ -211,4 +185,4 @@ def test_library_takes_over_from_a_remote_code_integration(saved, tmp_path):
         print(first)
         """
     )
-    assert run_child(tmp_path, script).strip().startswith("transformers_modules.")
+    assert run_python(tmp_path, script).strip().startswith("transformers_modules.")

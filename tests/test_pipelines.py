@@ -32,6 +32,8 @@ from hf_hyperdflash.modeling.modeling_hyperdflash import SPECIAL_TOKEN_IDS
 from hf_hyperdflash.testing import tiny_deepseek_v4, tiny_glm5_next, tiny_hy_v4, tiny_qwen4_exp
 from hf_hyperdflash.training.trainer import build_drafter
 
+pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
+
 SHIPPED = {
     "hyperdflash": reference.drafter_path("hyperdflash"),
     "vanilla_dflash": reference.drafter_path("vanilla_dflash"),

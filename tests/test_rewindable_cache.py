@@ -16,6 +16,8 @@ from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
+pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
+
 TOLERANCE = 1e-4
 MAX_DRAFT = 16
 

@@ -11,6 +11,8 @@ import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 from hf_hyperdflash.testing import tiny_deepseek_v4, tiny_glm5_next, tiny_qwen4_exp
 
+pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
+
 FAMILIES = {
     "deepseek_v4": lambda seed: tiny_deepseek_v4(seed=seed, index_n_heads=2),
     "glm5_next": tiny_glm5_next,

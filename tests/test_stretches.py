@@ -17,6 +17,8 @@ from hf_hyperdflash.modeling.stretches import MIN_PLAIN_STRETCH
 from hf_hyperdflash.modeling.targets import get_target_adapter
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 
+pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
+
 WAIT = 20
 NEW_TOKENS = 60
 FAMILIES = ["deepseek_v4", "hy_v4", "glm5_next", "qwen4_exp", "qwen4_exp_composite"]

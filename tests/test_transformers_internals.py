@@ -1,5 +1,6 @@
 """The transformers internals the runtime relies on (listed in `modeling/transformers_compat.py`) are
-still there and still behave as assumed, on every supported transformers version (CI runs this on 5.23 and 5.24).
+still there and still behave as assumed, on every supported transformers version (CI runs this on 5.23, 5.24 and
+5.25; `pytest -m compat` runs it, with the generation tests, against whatever version is installed).
 
 Speculative decoding runs inside transformers' own `_assisted_decoding`, with our candidate generator swapped in
 per call, and the drafter conditions on the input of the target's `model.hc_head`. A transformers release that
@@ -22,6 +23,7 @@ import transformers.pipelines.base as pipeline_base
 from packaging.requirements import Requirement
 from packaging.version import Version
 from transformers import DynamicCache, GenerationConfig, GenerationMixin
+from transformers.cache_utils import LinearAttentionLayer
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.masking_utils import create_sliding_window_causal_mask
@@ -36,8 +38,11 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 import hf_hyperdflash.modeling
 from hf_hyperdflash.modeling import candidate_generator, integration, transformers_compat
 from hf_hyperdflash.modeling.indexer_ties import INDEXER_CLASSES, SCORER_CLASSES
-from hf_hyperdflash.testing import tiny_deepseek_v4
+from hf_hyperdflash.modeling.transformers_compat import STOCK_LINEAR_ATTENTION_ROLLBACK, TESTED_RANGE
+from hf_hyperdflash.testing import tiny_deepseek_v4, tiny_glm5_next
 
+pytestmark = pytest.mark.compat
+STATEFUL_GUARD = "_is_stateful" in vars(DeepseekV4PreTrainedModel)  # before 5.25: the model, not its cache, says
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
 
 
@@ -62,6 +67,9 @@ def test_transformers_version_is_inside_the_pinned_range():
     dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
     (pin,) = [Requirement(d) for d in dependencies if Requirement(d).name == "transformers"]
     assert pin.specifier.contains(transformers.__version__), f"transformers {transformers.__version__} vs {pin}"
+    first, last = TESTED_RANGE  # the range the runtime warns outside of is the pin
+    major, minor = map(int, last.split("."))
+    assert str(pin.specifier) == ",".join(sorted([f"<{major}.{minor + 1}", f">={first}.0"]))
 
 
 def test_generate_signature_has_what_the_wrapper_binds():
@@ -150,11 +158,56 @@ def test_assisted_decoding_reports_matches_to_the_generator():
     assert [arg.id for arg in call.args] == ["input_ids", "new_logits", "n_matches"]
 
 
+@pytest.mark.skipif(not STATEFUL_GUARD, reason="from 5.25 the cache says whether it rolls back")
 def test_stateful_guard_is_checked_on_the_instance():
     """We lift the guard for one call and one instance through a descriptor on the class that defines
     `_is_stateful` (`call_scope.lifted_stateful_guard`), so generate() must read it from the instance."""
     assert "self._is_stateful" in inspect.getsource(GenerationMixin._validate_generation_mode)
     assert "_is_stateful" in vars(DeepseekV4PreTrainedModel) and DeepseekV4PreTrainedModel._is_stateful is True
+
+
+@pytest.mark.skipif(STATEFUL_GUARD, reason="before 5.25 the model's `_is_stateful` guards assisted decoding")
+def test_assisted_decoding_checks_the_cache_is_croppable():
+    """From 5.25 assisted decoding runs when the cache after the prefill is croppable: the rewindable V4 cache says so
+    (its layers' stock classes do not), and so does plain decoding's on the families transformers rolls back."""
+    assert "outputs.cache.is_croppable" in inspect.getsource(GenerationMixin._assisted_decoding)
+    assert not hasattr(DeepseekV4PreTrainedModel, "_is_stateful")
+    model = tiny_deepseek_v4()
+    stock = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.arange(3, 19)[None], **{transformers_compat.CACHE_ARGUMENT: stock})
+    assert not stock.is_croppable
+    from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
+
+    assert RewindableDeepseekV4Cache(model.config, max_draft=4).is_croppable
+
+
+@pytest.mark.skipif(not STOCK_LINEAR_ATTENTION_ROLLBACK, reason="before 5.25 `cache_linear_attention.py` rolls back")
+@pytest.mark.parametrize("keep_one_more", [False, True])
+def test_linear_attention_layers_restore_the_recorded_state_n_back(keep_one_more):
+    """5.25's `crop(-n)` after a forward of `n + 1` tokens restores the state after its first token only when `n + 1`
+    states were recorded; with `n` (what assisted decoding asks for a draft of `n`) it restores the state before the
+    forward. `target_linear_attention._keeping_one_more_state` relies on both halves: the day transformers fixes its
+    count, the first case fails here and the extra state can go."""
+    model = tiny_glm5_next()
+    prompt, block = torch.arange(3, 12)[None], torch.tensor([[40, 41, 42, 43]])
+    argument = transformers_compat.CACHE_ARGUMENT
+
+    def recurrent_states(cache):
+        return [layer.recurrent_states[0].clone() for layer in cache.layers if isinstance(layer, LinearAttentionLayer)]
+
+    with torch.no_grad():
+        reference = DynamicCache(config=model.config)
+        model(prompt, **{argument: reference})
+        model(block[:, :1], **{argument: reference})
+        cache = DynamicCache(config=model.config)
+        model(prompt, **{argument: cache})
+        cache.activate_past_recording(recurrent_states_to_keep=block.shape[1] - 1 + keep_one_more)
+        model(block, **{argument: cache})
+        cache.crop(-(block.shape[1] - 1))
+    pairs = zip(recurrent_states(cache), recurrent_states(reference), strict=True)
+    restored = all(torch.allclose(a, b, atol=1e-6) for a, b in pairs)
+    assert restored == keep_one_more
 
 
 def test_pipelines_load_a_named_assistant_through_load_assistant_model():
@@ -227,11 +280,27 @@ def test_indexers_select_entries_only_with_topk():
     """`indexer_ties` replaces the `topk` an indexer's forward calls; that covers its selection only while nothing
     else in the forward picks entries (a version that sorted or arg-maxed the scores must fail here)."""
     for indexer in INDEXER_CLASSES:
-        forward = ast.parse(textwrap.dedent(inspect.getsource(indexer.forward.__wrapped__)))
-        called = {_called_name(call) for call in ast.walk(forward) if isinstance(call, ast.Call)}
-        assert "topk" in called, indexer.__name__
+        called = _selecting_calls(indexer, indexer.forward.__wrapped__)
+        assert called is not None, f"{indexer.__name__}.forward no longer selects with topk"
         assert not called & {"sort", "argsort", "argmax", "kthvalue", "multinomial"}, indexer.__name__
         assert getattr(indexer.forward, "_hyperdflash_ties_by_position", False)  # installed on import
+
+
+def _selecting_calls(cls: type, method) -> set[str] | None:
+    """What the function that selects entries calls: `method` if it calls `topk`, else the first method of `cls` it
+    calls on `self` that does (5.25's Qwen4-Exp indexer selects in `_select_tokens`, inside the forward the tie-break
+    wraps); None if none does."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+    calls = [call for call in ast.walk(tree) if isinstance(call, ast.Call)]
+    called = {_called_name(call) for call in calls}
+    if "topk" in called:
+        return called
+    for call in calls:
+        if isinstance(call.func, ast.Attribute) and getattr(call.func.value, "id", None) == "self":
+            helper = getattr(cls, call.func.attr, None)
+            if inspect.isfunction(helper) and (found := _selecting_calls(cls, helper)) is not None:
+                return found
+    return None
 
 
 def test_deepseek_v4_indexer_uses_its_scores_only_to_mask_and_select():
@@ -290,10 +359,12 @@ def test_assisted_decoding_splits_attentions_with_the_decoder_attention_flag():
     calls = _calls(ASSISTED_DECODING, "_split_model_outputs")
     attention_calls = [call for call in calls if "is_decoder_attention" in _keywords(call)]
     assert attention_calls and all(len(call.args) == 4 for call in calls)
-    assert all(_keywords(call) <= {"is_decoder_attention"} for call in calls)
+    # 5.25 adds `input_shape`, which `output_split` takes and leaves: the sequence axis is 1 in every family here
+    assert all(_keywords(call) <= {"is_decoder_attention", "input_shape"} for call in calls)
     assert any(getattr(call.args[1], "attr", None) == "attentions" for call in attention_calls)
 
 
+@pytest.mark.skipif(STOCK_LINEAR_ATTENTION_ROLLBACK, reason="from 5.25 transformers rolls these layers back itself")
 @pytest.mark.parametrize("family", ["glm5_next", "qwen4_exp_text"])
 def test_linear_attention_forwards_call_their_kernels_by_module_name(family):
     """`cache_linear_attention.recording_kernels` swaps the family's delta-rule kernels as module functions for one
