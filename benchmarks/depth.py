@@ -71,8 +71,8 @@ from hf_hyperdflash.evaluation import command as eval_command
 from hf_hyperdflash.evaluation.report import machine_description
 from hf_hyperdflash.loading import load_target
 from hf_hyperdflash.modeling.draft_options import CONSTANT_SCHEDULE
+from hf_hyperdflash.modeling.generation_stats import synchronized_clock
 from hf_hyperdflash.modeling.modeling_hyperdflash import HyperDFlashForDrafting
-from hf_hyperdflash.modeling.step_timer import synchronized_clock
 from hf_hyperdflash.prompts import load_prompts
 from hf_hyperdflash.reference import DRAFTER_KINDS
 from hf_hyperdflash.reference.build import TARGET_LOOP, export_bf16, render_for_training, train_language_model

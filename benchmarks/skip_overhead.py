@@ -2,28 +2,19 @@
 
     python benchmarks/skip_overhead.py [--prompts 8] [--repeats 6] [--max-new-tokens 128]
 
-The adaptive schedule decodes plainly when drafting loses. A wait shorter than 16 steps runs in transformers' assisted
-loop, with the rewindable cache and the feature-capture hook: "in the assisted loop" forces every step to skip there
-(the shipped HyperDFlash drafter never drafts), so its ratio is that overhead alone. A longer wait inside a call runs
-as a plain stretch, in plain decoding's own loop (`modeling/stretches.py`): "in 64-step waits inside a call" forces
-a 64-step wait after every step the assisted loop runs (each wait ends, as a probe would, with a step of the assisted
-loop, here one that skips drafting too), so its ratio is plain stretches' overhead, switching loops included. "One
-wait to the call's end" waits from the assisted loop's first iteration on: the shape of a later call in which a
-losing drafter probes once and waits (a stretch that ends the call collects no features). A call whose every step
-falls in the schedule's wait runs plain decoding's loop from its start: "whole call". Prints, per
-prompt, the median over interleaved repeats of plain / speculative time, by the wall clock, by the process's CPU
-time (one torch thread), and per step: the median interval between consecutive target forwards after the prefill,
-which a burst of load on a shared machine moves far less than a whole call's time (calls here scatter by 10-20%
-from one repeat to the next, and whole-call medians over 8 prompts by 2%: too coarse for a 1% question), and the
-fastest plain call over the fastest other one; then their medians over prompts. Plain decoding timed a second time,
-interleaved like the others, is the control: its ratios are 1.00x but for this run's noise, so a way's ratio
-within the control's distance of 1.00x is no measured cost.
+The adaptive schedule decodes without the drafter while drafting does not pay; those steps run in transformers'
+assisted loop, with the rewindable cache and the feature-capture hook. Here every step skips (the shipped HyperDFlash
+drafter never drafts), so the ratio is that overhead alone. Prints, per prompt, the median over interleaved repeats
+of plain / speculative time, by the wall clock, by the process's CPU time (one torch thread), and per step: the median
+interval between consecutive target forwards after the prefill, which a burst of load on a shared machine moves far
+less than a whole call's time; and the fastest plain call over the fastest other one; then their medians over
+prompts. Plain decoding timed a second time, interleaved like the others, is the control: its ratios are 1.00x but
+for this run's noise, so a ratio within the control's distance of 1.00x is no measured cost.
 
-    python benchmarks/skip_overhead.py --instructions --prompts 2   # counts instead of clocks (about 40 minutes)
+    python benchmarks/skip_overhead.py --instructions --prompts 2   # counts instead of clocks
 
 `--instructions` counts what each call executes under valgrind's callgrind (`callgrind.py`): one warm call, then one
-counted, per way and prompt. Counts repeat to 0.01% (the control's row), so each way's overhead reads as it is,
-in instructions rather than seconds.
+counted, per way and prompt. Counts repeat to 0.01% (the control's row), so the overhead reads as it is.
 """
 
 from __future__ import annotations
@@ -42,39 +33,13 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_hyperdflash import reference
-from hf_hyperdflash.modeling.draft_policy import AdaptiveDraftPolicy, reset_draft_schedule
+from hf_hyperdflash.modeling.draft_policy import AdaptiveDraftPolicy
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 MEASURES = (*CLOCKS, "per step")
 INSTRUCTIONS = "instructions"
-WAIT = 64  # steps of each wait "in waits inside a call"
-
-
-def _wait_after_each_step(self, step) -> None:
-    """After each step the assisted loop runs, a wait of `WAIT` steps (which plain stretches run)."""
-    self.plain_steps_left = WAIT
-
-
-def _wait_to_the_end(self, step) -> None:
-    """After the assisted loop's first iteration, a wait through the rest of the call (one plain stretch)."""
-    self.plain_steps_left = sys.maxsize
-
-
-SKIPPING = {  # how the schedule is forced to skip every step
-    "in the assisted loop": {"should_draft": lambda self: False},
-    f"in {WAIT}-step waits inside a call": {
-        "decodes_plainly": lambda self, steps: False,
-        "should_draft": lambda self: False,
-        "record": _wait_after_each_step,
-    },
-    "one wait to the call's end": {
-        "decodes_plainly": lambda self, steps: False,
-        "should_draft": lambda self: False,
-        "record": _wait_to_the_end,
-    },
-    "whole call": {"decodes_plainly": lambda self, steps: True},
-}
+SKIPPING = {"in the assisted loop": {"should_draft": lambda self: False}}  # how the schedule is forced to skip
 
 
 # The fastest of each call's repeats, plain's over the other's: on a shared machine whose speed drifts by 10% within
@@ -150,17 +115,6 @@ def skipping_call(decode: Callable, drafter, patches: dict[str, Callable]) -> Ca
     return call
 
 
-def fresh_schedule(call: Callable[[], object], drafter) -> Callable[[], object]:
-    """`call` with the drafter's learned schedule state cleared first: a way's forcing leaves state (a wait that
-    never ends) that the next way's call would otherwise carry over."""
-
-    def fresh_call():
-        reset_draft_schedule(drafter)
-        return call()
-
-    return fresh_call
-
-
 def parse_arguments(description: str, prompts: int) -> argparse.Namespace:
     """This folder's timing benchmarks' options: how many held-out prompts, repeats and new tokens."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,9 +150,7 @@ def main() -> None:
         input_ids = torch.tensor([encode_prompt(tokenizer, chat, enable_thinking=False)])
         decode = functools.partial(target.generate, input_ids, max_new_tokens=args.max_new_tokens)
         runs = {"plain": decode, CONTROL: decode}
-        runs |= {
-            way: fresh_schedule(skipping_call(decode, drafter, patches), drafter) for way, patches in SKIPPING.items()
-        }
+        runs |= {way: skipping_call(decode, drafter, patches) for way, patches in SKIPPING.items()}
         costs = {name: [] for name in runs}  # a dict of measures per repeat
         for repeat in range(args.repeats):  # the order rotates, so a drift favours none
             for name in list(runs)[repeat % len(runs) :] + list(runs)[: repeat % len(runs)]:

@@ -23,7 +23,6 @@ _RUNTIME_NAMES = {  # public name -> the module that defines it
     "GenerationStats": ".modeling.generation_stats",
     "HyperDFlashConfig": ".modeling.configuration_hyperdflash",
     "HyperDFlashForDrafting": ".modeling.drafting",
-    "reset_draft_schedule": ".modeling.draft_policy",
 }
 
 
@@ -113,5 +112,4 @@ __all__ = [
     "GenerationStats",
     "HyperDFlashConfig",
     "HyperDFlashForDrafting",
-    "reset_draft_schedule",
 ]

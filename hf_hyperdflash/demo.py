@@ -70,7 +70,7 @@ class DemoResult:
 
 
 def _timed(fn) -> tuple[float, torch.Tensor]:
-    from .modeling.step_timer import synchronized_clock  # waits for queued CUDA kernels
+    from .modeling.generation_stats import synchronized_clock  # waits for queued CUDA kernels
 
     start = synchronized_clock()
     out = fn()

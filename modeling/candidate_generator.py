@@ -7,7 +7,7 @@ one non-causal forward per block) or `MTPProposer` (native MTP: one step per dra
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,6 @@ from .cache_deepseek_v4 import RewindableDeepseekV4Cache
 from .draft_policy import ConfidenceThreshold, DraftPolicy, StepRecord
 from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
-from .step_timer import IterationTiming, StepTimer
 from .target_base import HyperConnectionTarget, activation_dtype
 from .transformers_compat import CACHE_ARGUMENT, cached_length
 
@@ -181,18 +180,14 @@ def _pick_sequentially(
 class SpeculativeCandidateGenerator(CandidateGenerator):
     """Feeds the features of newly verified positions to the drafter and returns its proposals.
 
-    transformers calls `get_candidates` before every target forward; the first call returns no
-    candidates so that the prefill forward produces the first features, as its own MTP/DFlash
-    generators do. When the call continues from a cache that already holds a prefix of the prompt,
-    that prefill feeds only the rest, as plain decoding does (transformers' assisted loop would feed
-    the whole prompt again on top of the cache); the drafter's context then starts at the new tokens.
-    One generator serves every assisted stretch of a call (`stretches.py`): the features of the steps
-    a plain stretch decoded reach it through `decoded_plainly`, and a later stretch's first forward,
-    over the newest token alone, is one more step that skipped drafting.
-    The draft policy decides each step whether to draft and how many drafts to verify, and an
-    `assistant_confidence_threshold` may end the drafts earlier; a step that skips drafting returns no
-    candidates, so the target decodes one token as plain decoding would (with nothing timed but the step,
-    `StepTimer.time_parts`), and its features wait for the drafter's next forward.
+    transformers calls `get_candidates` before every target forward; the first call returns no candidates so that
+    the prefill forward produces the first features, as its own MTP/DFlash generators do. A call continuing from a
+    cache that already holds a prefix of the prompt prefills only the rest, as plain decoding does
+    (transformers' assisted loop would feed the whole prompt again on top of the cache); the drafter's context then
+    starts at the new tokens. The draft policy decides each step whether to draft and how many drafts to verify, and
+    an `assistant_confidence_threshold` may end the drafts earlier; a step that skips drafting returns no
+    candidates, so the target decodes one token as plain decoding would, and its features wait for the drafter's next
+    forward.
     """
 
     requires_model_outputs = True
@@ -208,7 +203,6 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         policy: DraftPolicy,
         threshold: ConfidenceThreshold | None,
         stats: GenerationStats,
-        timer: StepTimer,
     ):
         self.proposer, self.capture, self.pick, self.stats = proposer, capture, pick, stats
         self.policy, self.threshold, self.max_length = policy, threshold, max_length
@@ -217,10 +211,6 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides: dict = {}  # merged into the target's forward inputs by transformers
         # Verified features the drafter has not seen yet, one piece per step: joined once, when it next drafts
         self.pending: list[torch.Tensor] = []
-        self.drafted_last_step = False  # else the next draft also takes in the prompt or skipped steps' context
-        self.first_forward_is_prefill = True  # else a plain stretch made the prefill
-        self.timer = timer
-        timer.on_close = self._iteration_done
         self._new_step()
 
     @property
@@ -228,35 +218,19 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         """The most drafts a step verifies: what the target cache must be able to roll back (transformers 5.25 on)."""
         return self.policy.max_draft
 
-    def take_verified(self, length: int) -> None:
+    def _take_verified(self, length: int) -> None:
         """Of the last target forward's positions, those now verified (all but the newest of `length` tokens) go to
-        the drafter's next forward. Each step does this; an assisted stretch that stops does it for its last step."""
+        the drafter's next forward."""
         num_new = length - 1 - self.consumed
         if num_new > 0:
             self.pending.append(self.capture.features()[:, :num_new])
             self.consumed = length - 1
 
-    def decoded_plainly(
-        self, forwards: int, first_forward_seconds: float, forward_features: Sequence[torch.Tensor] = ()
-    ) -> None:
-        """A plain stretch ran `forwards` target forwards (the first one the prefill, if the stretch started the
-        call, which took `first_forward_seconds`), with these features, one piece a forward, which the drafter takes
-        in when it next drafts; none when it will not draft again in this call."""
-        made_prefill = self.stats.target_forwards == 0
-        if made_prefill:
-            self.first_forward_is_prefill = False
-            self.stats.prefill_seconds = first_forward_seconds
-        self.pending += forward_features
-        self.consumed += sum(features.shape[1] for features in forward_features)
-        self.stats.target_forwards += forwards
-        self.stats.skipped_steps += forwards - made_prefill
-        self.drafted_last_step = False
-
-    def _new_step(self) -> None:
+    def _new_step(self, drafts: bool = True) -> None:
         self.confidences: list[float] = []
         self.token_probabilities: list[float] = []
         self.last_proposed = self.last_accepted = self.drafter_forwards = 0
-        self.caught_up = False
+        self.is_decoding_step = drafts  # the prefill is no decoding step: the policy does not learn from it
 
     def _keep_drafting(self, confidences: list[float], probabilities: list[float]) -> bool:
         """A sequential drafter drafts one more token while the schedule, and the confidence threshold, agree."""
@@ -273,54 +247,45 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         n_last_matches: int = 0,
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        self.timer.start_iteration()
         self.stats.target_forwards += 1
-        self._new_step()
+        self._new_step(drafts=not is_first_iteration)
+        self.model_kwargs_overrides = {}
         if is_first_iteration:
-            if self.stats.target_forwards > 1:  # a later stretch's first forward: one token, no draft
-                self.stats.skipped_steps += 1
             self.consumed = cached_length(model_kwargs[CACHE_ARGUMENT])
-            self.model_kwargs_overrides = {}
             if self.consumed:
                 self.model_kwargs_overrides["input_ids"] = input_ids[:, self.consumed :]
                 if model_kwargs.get("position_ids") is not None:
                     self.model_kwargs_overrides["position_ids"] = model_kwargs["position_ids"][..., self.consumed :]
-            self.drafted_last_step = False
             return input_ids, None
-        self.model_kwargs_overrides = {}
 
         # The last target forward covered the tokens after the previous verified prefix; of those,
         # everything but the newest (bonus) token of input_ids is verified now.
-        self.take_verified(input_ids.shape[1])
+        self._take_verified(input_ids.shape[1])
 
         num_tokens = min(self.policy.draft_length, self.max_length - input_ids.shape[1] - 1)
         if num_tokens <= 0:
             return input_ids, None
         if not self.policy.should_draft():
             self.stats.skipped_steps += 1
-            self.drafted_last_step = False
             return input_ids, None
-        self.timer.time_parts()
-        self.caught_up, self.drafted_last_step = not self.drafted_last_step, True
         context = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1)
         self.pending = []
         positions = torch.arange(input_ids.shape[1] - 1 - context.shape[1], input_ids.shape[1] - 1)[None]
-        with self.timer.timed("draft"):
-            draft = self.proposer.propose(
-                context, positions.to(input_ids.device), input_ids, num_tokens, self.pick, self._keep_drafting
-            )
+        draft = self.proposer.propose(
+            context, positions.to(input_ids.device), input_ids, num_tokens, self.pick, self._keep_drafting
+        )
         self.confidences, self.drafter_forwards = draft.confidences, draft.drafter_forwards
         self.last_proposed = self.policy.choose(self.confidences)
         if self.threshold is not None:
             self.token_probabilities = draft.token_probabilities[: self.last_proposed]
             self.last_proposed = self.threshold.cut(self.token_probabilities)
-        self.timer.verify_starts()
         if not self.last_proposed:
             return input_ids, None
         tokens, logits = draft.tokens[:, : self.last_proposed], draft.logits[:, : self.last_proposed]
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        """After every target forward: the step's outcome for the stats, and for the policy to learn from."""
         self.last_accepted = int(num_matches)
         if self.last_proposed:
             self.stats.accepted_per_step.append(self.last_accepted)
@@ -328,24 +293,6 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
             if self.threshold is not None:
                 self.threshold.record(self.token_probabilities[: self.last_proposed], self.last_accepted)
         self.stats.new_tokens = input_ids.shape[1] - self.prompt_length
-
-    def _iteration_done(self, timing: IterationTiming) -> None:
-        """Record the closed iteration's timings (steps that verified drafts) and let the policy learn from it."""
-        if timing.index == 1 and self.first_forward_is_prefill:
-            self.stats.prefill_seconds = timing.seconds
-            return
-        if self.last_proposed:
-            self.stats.step_seconds.append(timing.seconds)
-            self.stats.draft_seconds.append(timing.draft)
-            self.stats.verify_seconds.append(timing.verify)
-            self.stats.rollback_seconds.append(timing.rollback)
-        step = StepRecord(
-            confidences=self.confidences,
-            proposed=self.last_proposed,
-            accepted=self.last_accepted,
-            drafter_forwards=self.drafter_forwards,
-            draft_seconds=timing.draft,
-            other_seconds=timing.seconds - timing.draft,
-            caught_up=self.caught_up,
-        )
-        self.policy.record(step)
+        if self.is_decoding_step:
+            step = StepRecord(self.confidences, self.last_proposed, self.last_accepted, self.drafter_forwards)
+            self.policy.record(step)

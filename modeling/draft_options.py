@@ -2,36 +2,39 @@
 
 Drafters are recognised by their config's `model_type`; the draft schedule is
 `drafter.generation_config.num_assistant_tokens_schedule`, as in transformers' assisted decoding, and so is its
-`assistant_confidence_threshold`. Like transformers' `heuristic` / `heuristic_transient` pair, a schedule without the
-`_transient` suffix keeps what it learned for the drafter's next call, and its `_transient` twin starts afresh.
+`assistant_confidence_threshold`. As in transformers, `heuristic` keeps its draft length for the drafter's next call
+and `heuristic_transient` starts afresh.
 """
 
 BLOCK_DRAFTER_TYPE = "hyperdflash"  # HyperDFlash and vanilla DFlash: one forward drafts a block
 MTP_DRAFTER_TYPE = "deepseek_v4_mtp"  # DeepSeek-V4's native MTP module: one forward per drafted token
 DRAFTER_TYPES = (BLOCK_DRAFTER_TYPE, MTP_DRAFTER_TYPE)
 
-# Each step verifies the drafts that maximise expected tokens per second, and skips drafting where it does not pay.
-# What it learned (confidence-to-acceptance calibration, step costs, whether drafting pays) is kept on the drafter for
-# its next call with the same target and decoding setting; never saved.
+# Each step verifies the drafts with the most expected tokens per unit of cost, and drafting waits where it does not
+# pay, by a cost model fixed for the call (DRAFT_COSTS_BY_DEVICE) and the tokens alone: a seeded call repeats.
 ADAPTIVE_SCHEDULE = "adaptive"
-ADAPTIVE_TRANSIENT_SCHEDULE = "adaptive_transient"  # the same, learning from nothing in every call
 # transformers' own: the draft length grows by 2 after a step whose drafts were all accepted and shrinks by 1
 # otherwise; kept on `generation_config.num_assistant_tokens` for the next call (the `_transient` one restores it)
 HEURISTIC_SCHEDULE = "heuristic"
 HEURISTIC_TRANSIENT_SCHEDULE = "heuristic_transient"
 CONSTANT_SCHEDULE = "constant"  # each step verifies `num_assistant_tokens` drafts
-SCHEDULES = (
-    ADAPTIVE_SCHEDULE,
-    ADAPTIVE_TRANSIENT_SCHEDULE,
-    HEURISTIC_SCHEDULE,
-    HEURISTIC_TRANSIENT_SCHEDULE,
-    CONSTANT_SCHEDULE,
-)
-# A chat session makes many calls with one drafter: carried over, a call starts from the calibration and costs its
-# predecessors learned, and a drafter that does not pay is not probed again in every call; short calls gain most
-# (docs/results.md, "Adaptive draft length"). "adaptive_transient" repeats a call's
-# draft lengths, and so its sampled tokens under a fixed seed, only as far as its timings repeat.
+SCHEDULES = (ADAPTIVE_SCHEDULE, HEURISTIC_SCHEDULE, HEURISTIC_TRANSIENT_SCHEDULE, CONSTANT_SCHEDULE)
 DEFAULT_SCHEDULE = ADAPTIVE_SCHEDULE
+# The adaptive schedule's cost model, in plain decoding steps, by the target's device type and the drafter's kind:
+# one drafter forward with the step's bookkeeping (`draft_cost`) and each draft a verify forward carries besides the
+# token plain decoding feeds (`verify_cost`); a drafter's `generation_config.draft_cost` and `.verify_cost` override.
+# "cpu": the shipped pair on this project's CPU (`benchmarks/draft_costs.py`); "cuda" (any other accelerator too):
+# the block drafter on one H200 (`benchmarks/gpu.py`), native MTP not measured there (docs/results.md, "Draft costs").
+DRAFT_COSTS_BY_DEVICE = {
+    "cpu": {
+        BLOCK_DRAFTER_TYPE: {"draft_cost": 0.49, "verify_cost": 0.09},
+        MTP_DRAFTER_TYPE: {"draft_cost": 0.33, "verify_cost": 0.09},
+    },
+    "cuda": {
+        BLOCK_DRAFTER_TYPE: {"draft_cost": 0.25, "verify_cost": 0.01},
+        MTP_DRAFTER_TYPE: {"draft_cost": 0.25, "verify_cost": 0.01},
+    },
+}
 
 DEFAULT_MTP_DEPTH = 3  # drafts per step of a native MTP drafter, V4's reference setting
 # The deepest a schedule that grows the draft length ("heuristic") takes a native MTP drafter: transformers' stock

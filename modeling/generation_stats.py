@@ -7,10 +7,20 @@ plain decoding has tau 1 and a drafter whose drafts are all rejected does too.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from .draft_options import CONSTANT_SCHEDULE
+
+
+def synchronized_clock() -> float:
+    """perf_counter once queued CUDA kernels are done, so a timed call includes its kernels."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def mean_accepted_length(accepted_per_step: Sequence[int]) -> float:
@@ -48,12 +58,6 @@ class GenerationStats:
     seconds: float = 0.0  # wall time of the whole generate call
     accepted_per_step: list[int] = field(default_factory=list)
     proposed_per_step: list[int] = field(default_factory=list)
-    # Wall time of each verify step (aligned with accepted_per_step) and of its parts; see StepTimer.
-    step_seconds: list[float] = field(default_factory=list)
-    draft_seconds: list[float] = field(default_factory=list)
-    verify_seconds: list[float] = field(default_factory=list)
-    rollback_seconds: list[float] = field(default_factory=list)
-    prefill_seconds: float = 0.0
     skipped_steps: int = 0  # steps after the prefill that decoded plainly, without a drafter forward
 
     @property

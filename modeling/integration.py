@@ -10,21 +10,19 @@ The wrapper only acts when the assistant is one of our drafters, recognised by `
 either origin works under either copy), or when transformers' own drafting meets a stateful mHC target. Then, for
 that call only (`call_scope`: concurrent calls on one target do not see each other's), it brings a rewindable
 target cache, hooks the target to capture the features the drafter conditions on, swaps in our candidate generator
-and lifts the target's `_is_stateful` guard. Verification, acceptance (greedy prefix match or speculative sampling),
-logits processors, stopping criteria and streaming stay transformers' own `_assisted_decoding`, so outputs are the
-target's. Where the adaptive schedule waits 16 steps or more, the call runs the wait in plain decoding's own loop
-and resumes the assisted one after it (`_StretchedCall`, `stretches.py`).
+and, before transformers 5.25, lifts the target's `_is_stateful` guard. Verification, acceptance (greedy prefix match
+or speculative sampling), logits processors, stopping criteria and streaming stay transformers' own
+`_assisted_decoding`, so outputs are the target's.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedModel
@@ -33,7 +31,7 @@ from . import call_scope
 from .candidate_generator import BlockProposer, MTPProposer, SpeculativeCandidateGenerator, TokenPicker
 from .draft_options import BLOCK_DRAFTER_TYPE, DRAFTER_TYPES
 from .draft_policy import CallSchedule
-from .generation_stats import GenerationStats
+from .generation_stats import GenerationStats, synchronized_clock
 from .indexer_ties import install_deterministic_indexer
 from .output_split import outputs_split_per_token
 from .request_checks import (
@@ -46,16 +44,7 @@ from .request_checks import (
     refuse_images,
     refuse_incompatible_options,
 )
-from .step_timer import StepTimer, synchronized_clock
 from .stopping import HeldBackStreamer, PerTokenStopping
-from .stretches import (
-    PlainStretchStopping,
-    SharedBuilds,
-    StretchStreamer,
-    TimedStopping,
-    continued_options,
-    join_outputs,
-)
 from .target_base import HyperConnectionTarget
 from .targets import TARGET_FAMILIES, get_target_adapter
 from .transformers_compat import (
@@ -92,19 +81,6 @@ class GenerateRequest:
         cache = pop_user_cache(extra)
         generation_config, _ = model._prepare_generation_config(arguments.get("generation_config"), **extra)
         return cls(model, arguments, extra, cache, generation_config)
-
-    def continued(self, sequences: torch.LongTensor, streamer: StretchStreamer | None) -> GenerateRequest:
-        """This call as a later stretch that continues from `sequences` (the target cache holds all but the newest
-        token): the same options for the tokens left, and a mask of ones over everything so far, as plain decoding's
-        stays (a stretched call's prompt has no padding; a mask inferred from padding tokens would hide generated
-        ones)."""
-        options = continued_options(self.max_length - sequences.shape[1])
-        config = copy.deepcopy(self.generation_config)
-        config.update(**options)
-        kwargs = {name: value for name, value in self.kwargs.items() if name != "input_ids"}
-        kwargs |= options | {"attention_mask": torch.ones_like(sequences)}
-        arguments = self.arguments | {"inputs": sequences, "streamer": streamer}
-        return replace(self, arguments=arguments, kwargs=kwargs, generation_config=config)
 
     @property
     def input_ids(self) -> torch.LongTensor | None:
@@ -167,14 +143,11 @@ def _exact_assisted_call(
     request: GenerateRequest,
     cache: Cache,
     build_candidate_generator: Callable,
-    shared: SharedBuilds | None = None,
-    hand_over: Callable[[int], bool] | None = None,
 ):
     """transformers' assisted loop, made to return plain decoding's result on an mHC target: a rewindable cache,
     stopping criteria per accepted token (the streamer held back one step), per-token hidden states and attentions,
     verify rows that see what one-token decoding sees. `build_candidate_generator(original, **options)` stands in
-    for the target's `_get_candidate_generator` in this call. In a stretched call, the stopping criteria are the
-    call's `shared` ones, and the loop also stops once `hand_over(sequence length)` says so."""
+    for the target's `_get_candidate_generator` in this call."""
     prompt_length = request.input_ids.shape[1]
     arguments = dict(request.arguments)
     if arguments.get("streamer") is not None:
@@ -184,8 +157,7 @@ def _exact_assisted_call(
     def stopping_criteria(build: Callable, **options) -> PerTokenStopping:
         if stopping:  # a generate() nested in this call on the same model (a target that is its own assistant)
             return build(**options)
-        criteria = shared.reuse("stopping_criteria")(build, **options) if shared is not None else build(**options)
-        stopping.append(PerTokenStopping(criteria, prompt_length, arguments.get("streamer"), hand_over))
+        stopping.append(PerTokenStopping(build(**options), prompt_length, arguments.get("streamer")))
         return stopping[-1]
 
     # "dynamic" (perhaps from the target's generation_config.json) is what the rewindable cache is.
@@ -227,19 +199,15 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     refuse_images(request.kwargs)
     if request.cache is not None:
         check_cached_prefix(request.cache, request.input_ids.shape[1])
-    schedule = CallSchedule(schedule_name, drafter, request.model, request.generation_config, draft_length)
+    schedule = CallSchedule(schedule_name, drafter, request.model, draft_length)
     max_draft = schedule.policy.max_draft  # "heuristic" may grow past `draft_length`
     if drafter.config.model_type == BLOCK_DRAFTER_TYPE:
         proposer = BlockProposer(drafter, target)
     else:
         proposer = MTPProposer(drafter, target, max_draft)
     stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)
-    budget = request.new_token_budget
-    if budget > 0 and schedule.decodes_plainly(budget):
-        return _plain_call(original_generate, request, target, max_draft, schedule, drafter, start)
     cache = _call_cache(target, request.cache, max_draft)
-    timer = StepTimer()
-    with target.capture(proposer.feature_layers) as capture, timer.attach(cache):
+    with target.capture(proposer.feature_layers) as capture:
         generator = SpeculativeCandidateGenerator(
             proposer=proposer,
             capture=capture,
@@ -249,182 +217,23 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
             policy=schedule.policy,
             threshold=schedule.threshold,
             stats=stats,
-            timer=timer,
         )
 
         def candidate_generator(_original, generation_config, logits_processor, **_) -> SpeculativeCandidateGenerator:
             generator.pick = TokenPicker(logits_processor, bool(generation_config.do_sample))
             return generator
 
-        # A padded prompt's positions lag the cache: its stretches would need position ids carried over
-        if schedule.may_wait and not request.positions_may_lag_cache:
-            call = _StretchedCall(original_generate, target, request, cache, schedule, generator, candidate_generator)
-            output = call.run()
-        else:
-            output = _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
-    schedule.finish()  # after the timer closed the last step, which the schedule learns from too
-    _record_call(stats, output, request, drafter, start)
+        output = _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
+    schedule.finish()
+    stats.new_tokens = _sequences(output).shape[1] - request.input_ids.shape[1]
+    stats.seconds = synchronized_clock() - start
+    drafter.last_generation_stats = stats  # with concurrent calls on one drafter: the call that finished last
     return output
-
-
-class _StretchedCall:
-    """A call whose schedule may wait: assisted stretches, and plain decoding's own loop through each wait of
-    `MIN_PLAIN_STRETCH` steps or more (`stretches.py`), joined into one call's result."""
-
-    def __init__(
-        self,
-        original_generate: Callable,
-        target: HyperConnectionTarget,
-        request: GenerateRequest,
-        cache: Cache,
-        schedule: CallSchedule,
-        generator: SpeculativeCandidateGenerator,
-        build_candidate_generator: Callable,
-    ):
-        self.original_generate, self.target, self.request, self.cache = original_generate, target, request, cache
-        self.schedule, self.generator, self.build_candidate_generator = schedule, generator, build_candidate_generator
-        self.shared = SharedBuilds()
-
-    def run(self):
-        """Stretch after stretch until the call's stopping criteria stop one, or its budget is spent."""
-        request, output = self.request, None
-        streamer = request.arguments.get("streamer")
-        stream = StretchStreamer(streamer) if streamer is not None else None
-        stretch = replace(request, arguments=request.arguments | {"streamer": stream}) if stream else request
-        with call_scope.methods(request.model, _get_logits_processor=self.shared.reuse("logits_processor")):
-            while True:
-                plain_steps = self._plain_steps(stretch.input_ids.shape[1])
-                result, stopped = self._plain(stretch, plain_steps) if plain_steps else self._assisted(stretch)
-                output = result if output is None else join_outputs(output, result)
-                sequences = _sequences(result)
-                if stopped or sequences.shape[1] >= request.max_length:
-                    break
-                if stream is not None:
-                    stream.next_stretch()
-                stretch = request.continued(sequences, stream)
-        if stream is not None:
-            stream.finish()
-        return output
-
-    def _plain_steps(self, length: int) -> int:
-        return self.schedule.plain_stretch(self.request.max_length - length)
-
-    def _assisted(self, stretch: GenerateRequest) -> tuple[object, bool]:
-        """An assisted stretch, until the schedule waits long enough for plain decoding's loop to pay."""
-        handed_over = False
-
-        def hand_over(length: int) -> bool:
-            nonlocal handed_over
-            handed_over = self._plain_steps(length) > 0
-            return handed_over
-
-        cache = self.target.adopt_cache(self.cache, self.schedule.policy.max_draft)
-        output = _exact_assisted_call(
-            self.original_generate,
-            self.target,
-            stretch,
-            cache,
-            self.build_candidate_generator,
-            self.shared,
-            hand_over,
-        )
-        self.generator.timer.close()  # its last step, which the schedule learns from before deciding what follows
-        self.generator.take_verified(_sequences(output).shape[1])
-        return output, not handed_over
-
-    def _plain(self, stretch: GenerateRequest, steps: int) -> tuple[object, bool]:
-        """`steps` steps of the schedule's wait in plain decoding's loop, from the call's stock cache; the drafter
-        gets their features when it next drafts. A stretch that ends the call records none: their capture cost
-        0.1%-0.8% of a step by instruction count (a hooked collapse head, and a record per step), and a losing
-        drafter's wait often runs from a failed probe to the call's end."""
-        self.target.release_cache(self.cache)
-        end_length = stretch.input_ids.shape[1] + steps
-        features = []
-        capture = self.generator.capture
-        drafts_after = end_length < self.request.max_length
-        record = (lambda: features.append(capture.features())) if drafts_after else None
-
-        def stopping_criteria(build: Callable, *args, **kwargs) -> PlainStretchStopping:
-            criteria = self.shared.reuse("stopping_criteria")(build, *args, **kwargs)
-            return PlainStretchStopping(criteria, end_length, on_step=record)
-
-        with nullcontext() if drafts_after else capture.paused():
-            output, first_seconds, stopping = _timed_plain_generate(
-                self.original_generate, stretch, self.cache, stopping_criteria
-            )
-        forwards = len(stopping.iteration_ends)
-        self.generator.decoded_plainly(forwards, first_seconds, features)
-        self.schedule.policy.skip(forwards, stopping.step_seconds())
-        return output, stopping.stopped
 
 
 def _sequences(output) -> torch.LongTensor:
     """The token ids of a generate() result, a tensor or a dict of outputs."""
     return output if isinstance(output, torch.Tensor) else output.sequences
-
-
-def _record_call(
-    stats: GenerationStats, output, request: GenerateRequest, drafter: PreTrainedModel, start: float
-) -> None:
-    """The call's new tokens and wall time in `stats`, which become `drafter.last_generation_stats` (with concurrent
-    calls on one drafter: the call that finished last)."""
-    stats.new_tokens = _sequences(output).shape[1] - request.input_ids.shape[1]
-    stats.seconds = synchronized_clock() - start
-    drafter.last_generation_stats = stats
-
-
-def _timed_plain_generate(
-    original_generate: Callable,
-    request: GenerateRequest,
-    cache: Cache | None,
-    stopping_criteria: Callable[..., TimedStopping] | None = None,
-) -> tuple[object, float, TimedStopping]:
-    """Plain decoding of `request` (from `cache`, if given); the seconds from generate()'s start to its first target
-    forward's iteration's end (a call's prefill, when the decoding starts the call); and its stopping criteria, which
-    timed its steps. `stopping_criteria(build, *args, **kwargs)` builds them (default: `TimedStopping` of the built
-    ones)."""
-    arguments = {name: value for name, value in request.arguments.items() if name != "assistant_model"}
-    # "dynamic" (perhaps from the target's generation_config.json) is what a passed cache is
-    cache_argument = {CACHE_ARGUMENT: cache, "cache_implementation": None} if cache is not None else {}
-    built: list[TimedStopping] = []
-
-    def timed_criteria(build: Callable, *args, **kwargs) -> TimedStopping:
-        built.append(
-            stopping_criteria(build, *args, **kwargs) if stopping_criteria else TimedStopping(build(*args, **kwargs))
-        )
-        return built[-1]
-
-    start = synchronized_clock()
-    with call_scope.methods(request.model, _get_stopping_criteria=timed_criteria):
-        output = original_generate(request.model, **arguments, **request.kwargs, **cache_argument)
-    stopping = built[0] if built else TimedStopping([])
-    first_seconds = stopping.iteration_ends[0] - start if stopping.iteration_ends else 0.0
-    return output, first_seconds, stopping
-
-
-def _plain_call(
-    original_generate: Callable,
-    request: GenerateRequest,
-    target: HyperConnectionTarget,
-    max_draft: int,
-    schedule: CallSchedule,
-    drafter: PreTrainedModel,
-    start: float,
-):
-    """A call the learned schedule would decode plainly from its first step to its last: plain decoding's own loop
-    and cache, without the assisted loop's per-step work, and the schedule counts its steps as decoded plainly and
-    learns what they took (most plain steps of a session run here or in a call's plain stretches). A cache the
-    caller passed is checked as a drafting call checks it, and left as plain decoding's, as one leaves it."""
-    if request.cache is not None:
-        target.release_cache(_call_cache(target, request.cache, max_draft))
-    output, prefill_seconds, stopping = _timed_plain_generate(original_generate, request, request.cache)
-    stats = GenerationStats(num_draft_tokens=schedule.policy.max_draft, schedule=schedule.name)
-    stats.prefill_seconds = prefill_seconds
-    _record_call(stats, output, request, drafter, start)
-    stats.target_forwards, stats.skipped_steps = stats.new_tokens, max(stats.new_tokens - 1, 0)
-    schedule.policy.skip(stats.new_tokens, stopping.step_seconds())
-    schedule.finish()
-    return output
 
 
 def uses_stock_drafting(model: PreTrainedModel, arguments: dict) -> bool:

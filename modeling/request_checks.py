@@ -79,11 +79,12 @@ def draft_schedule(drafter: PreTrainedModel) -> str:
     """`drafter.generation_config.num_assistant_tokens_schedule`, one of `SCHEDULES`."""
     schedule = getattr(getattr(drafter, "generation_config", None), "num_assistant_tokens_schedule", None)
     if schedule not in SCHEDULES:
+        merged = " ('adaptive_transient' is now 'adaptive', which keeps nothing between calls)"
         raise ValueError(
             f"`drafter.generation_config.num_assistant_tokens_schedule` is {schedule!r}; this drafter takes one of "
-            f"{list(SCHEDULES)}: 'adaptive' chooses each step's draft length from the drafter's confidence and the "
-            "measured costs and keeps what it learned for the next call ('adaptive_transient' starts afresh each "
-            "call), 'heuristic' and 'heuristic_transient' are transformers' own, 'constant' always drafts "
+            f"{list(SCHEDULES)}{merged if schedule == 'adaptive_transient' else ''}: 'adaptive' chooses each step's "
+            "draft length from the drafter's confidence and a cost model, and skips drafting where it does not pay; "
+            "'heuristic' and 'heuristic_transient' are transformers' own, 'constant' always drafts "
             "`num_assistant_tokens`."
         )
     return schedule

@@ -10,8 +10,6 @@ Criteria are called once per new token, as in plain decoding; stateful ones see 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from transformers import Cache
 from transformers.generation.stopping_criteria import StoppingCriteriaList
@@ -46,28 +44,13 @@ class HeldBackStreamer(BaseStreamer):
 class PerTokenStopping(StoppingCriteriaList):
     """The generation's own criteria, evaluated on each prefix a step added; records where they first stop."""
 
-    def __init__(
-        self,
-        criteria: StoppingCriteriaList,
-        prompt_length: int,
-        streamer: HeldBackStreamer | None,
-        hand_over: Callable[[int], bool] | None = None,
-    ):
+    def __init__(self, criteria: StoppingCriteriaList, prompt_length: int, streamer: HeldBackStreamer | None):
         super().__init__(criteria)
         self.checked_length = prompt_length
         self.streamer = streamer
-        self.hand_over = hand_over  # (sequence length) -> whether the loop stops here for the call to go on elsewhere
         self.stop_at: int | None = None
-        self.stopped = False  # the criteria themselves stopped: the call is over
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        done = self._check_new_tokens(input_ids, scores, **kwargs)
-        self.stopped = bool(done.all())
-        if not self.stopped and self.hand_over is not None and self.hand_over(input_ids.shape[1]):
-            return torch.ones_like(done)
-        return done
-
-    def _check_new_tokens(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         end = kept = input_ids.shape[1]
         if end == self.checked_length + 1:  # one new token (a step that verified no draft): as plain decoding asks
             self.checked_length = end

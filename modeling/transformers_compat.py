@@ -13,8 +13,6 @@ below is pinned by a test in `tests/test_transformers_internals.py`, run on ever
   (test_assisted_decoding_builds_the_candidate_generator_with_keywords_only)
 - `GenerationMixin._get_stopping_criteria`: wrapped for one call on the target instance, to stop per token
   (test_generate_builds_the_stopping_criteria_once_with_keywords_only)
-- `GenerationMixin._get_logits_processor`: built once per generate() call on `self`; a stretched call hands the
-  first stretch's list to the later ones (`stretches.py`) (test_generate_builds_the_logits_processors_once)
 - generate()'s rule for a mask it infers from padding tokens (`_prepare_attention_mask_for_generation`), which
   `integration.masks_padding` restates (test_masks_padding_is_the_rule_generate_infers_a_mask_by)
 - `CandidateGenerator.model_kwargs_overrides`: feeds only the uncached part of the prompt on the first forward
@@ -108,7 +106,6 @@ _INTERNALS = [
     (GenerationMixin, "_assisted_decoding"),
     (GenerationMixin, "_get_candidate_generator"),
     (GenerationMixin, "_get_stopping_criteria"),
-    (GenerationMixin, "_get_logits_processor"),
     (GenerationMixin, "_prepare_generation_config"),
     (GenerationMixin, "_prepare_attention_mask_for_generation"),
     (generation_utils, "_split_model_outputs"),

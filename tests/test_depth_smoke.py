@@ -8,9 +8,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
 from hf_hyperdflash.modeling.modeling_hyperdflash import spread_target_layers
+
+pytestmark = pytest.mark.slow  # the depth plan's every stage at toy size (CI runs it)
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "depth.py"
 

@@ -188,6 +188,7 @@ def test_cached_inference_matches_uncached(target, conditioning):
         draft(drafter, target_hidden[:, :1], anchors, [[11, 12]], positions[:, :1] + 10, cache=cache)
 
 
+@pytest.mark.slow
 def test_save_load_roundtrip_offline_without_the_library(target, tmp_path):
     drafter = drafter_for(target, reducer="dense", conditioning="intermediate", target_layer_ids=[0, 3])
     target_hidden, anchors = random_inputs(drafter, blocks=2)

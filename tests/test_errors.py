@@ -192,6 +192,7 @@ def test_partial_checkpoint(target, tmp_path, kind, removed):
         AutoModel.from_pretrained(directory, trust_remote_code=True)
 
 
+@pytest.mark.slow
 def test_plain_generate_is_unchanged_by_the_import(target, tmp_path):
     """Greedy and sampled plain generate give the same tokens in a process that never imports hf_hyperdflash."""
     target.save_pretrained(tmp_path / "target")

@@ -1,7 +1,6 @@
-"""The measuring loop on the tiny target: lossless counting, stats pooling, seeds, and the per-step latency split."""
+"""The measuring loop on the tiny target: lossless counting, stats pooling, seeds."""
 
 import math
-import time
 from contextlib import contextmanager
 
 import pytest
@@ -12,7 +11,6 @@ from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.evaluation.harness import Setting, SettingResult
 from hf_hyperdflash.evaluation.runner import Method, Session, drafting_settings, run_methods
 from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
-from hf_hyperdflash.modeling.draft_policy import reset_draft_schedule, schedule_memory
 from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
 
 MAX_NEW_TOKENS = 12
@@ -62,8 +60,8 @@ def broken_rollback(_input_ids):
 def test_greedy_methods_are_counted_lossless_with_pooled_stats(target, drafters, prompts):
     methods = [
         Method("plain"),
-        Method("hyperdflash", drafters["hyperdflash"]),
-        Method("mtp-k2", drafters["mtp"], num_draft_tokens=2),
+        Method("hyperdflash", drafters["hyperdflash"], schedule="constant"),  # whole blocks: every position drafted
+        Method("mtp-k2", drafters["mtp"], num_draft_tokens=2, schedule="constant"),
         oracle_method(target, drafters["hyperdflash"]),
     ]
     results = run_methods(target, methods, prompts, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, repeats=2)
@@ -77,14 +75,13 @@ def test_greedy_methods_are_counted_lossless_with_pooled_stats(target, drafters,
         assert sum(run["accepted_drafts"] for run in result.runs) == sum(result.accepted_per_step)
         assert sum(run["verify_steps"] for run in result.runs) == len(result.accepted_per_step)
     # Exact: n / n forwards per token and a median of x / x speed ratios are 1.0 in IEEE arithmetic
-    assert plain.forwards_per_token == 1.0 and plain.speedup == 1.0 and plain.latency_ms == {}
+    assert plain.forwards_per_token == 1.0 and plain.speedup == 1.0
     assert drafters["mtp"].generation_config.num_assistant_tokens == 3  # the override was undone
     assert len(untrained.acceptance_per_position) == 3 and len(mtp.acceptance_per_position) == 2
     assert mtp.num_draft_tokens == 2 and oracle.num_draft_tokens == 3
     assert oracle.tau > 1.5 and oracle.forwards_per_token < 0.8
     assert all(run["verify_steps"] > 0 for run in oracle.runs)  # each prompt's own tau is available
     assert oracle.tau == pytest.approx(sum(oracle.accepted_per_step) / len(oracle.accepted_per_step) + 1)
-    assert oracle.timed_steps == len(oracle.accepted_per_step)
 
 
 def test_a_non_lossless_method_is_reported(target, drafters, prompts):
@@ -95,8 +92,7 @@ def test_a_non_lossless_method_is_reported(target, drafters, prompts):
 
 
 def test_sampling_is_seeded_per_prompt_and_repeat_and_not_compared(target, drafters, prompts):
-    # The constant schedule: the adaptive one picks draft lengths from measured timings, so its samples vary.
-    methods = [Method("plain"), Method("mtp-k3", drafters["mtp"], num_draft_tokens=3, schedule="constant")]
+    methods = [Method("plain"), Method("mtp-k3", drafters["mtp"], num_draft_tokens=3)]  # the default schedule
     runs = [
         run_methods(target, methods, prompts[:1], temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=7)
         for _ in range(2)
@@ -111,68 +107,24 @@ def test_plain_decoding_must_come_first(target, drafters, prompts):
         run_methods(target, [Method("mtp", drafters["mtp"])], prompts)
 
 
-def test_latency_parts_add_up_to_the_measured_step_time(target, drafters, prompts):
-    reset_draft_schedule(drafters["hyperdflash"])  # drafting from the first step: the earlier tests' drafts lost
-    reference = target.generate(prompts[1], max_new_tokens=24, do_sample=False)
-    with oracle_drafting(OracleProposer(512, reference, corruption=0.3)), torch.no_grad():
-        start = time.perf_counter()
-        output = target.generate(
-            prompts[1], max_new_tokens=24, do_sample=False, assistant_model=drafters["hyperdflash"]
-        )
-        wall = time.perf_counter() - start
-    assert torch.equal(output, reference)
-    stats = drafters["hyperdflash"].last_generation_stats
-    steps = stats.step_seconds
-    assert len(steps) == len(stats.accepted_per_step) > 0
-    for step, draft, verify, rollback in zip(
-        steps, stats.draft_seconds, stats.verify_seconds, stats.rollback_seconds, strict=True
-    ):
-        assert min(draft, verify, rollback) > 0 and draft + verify + rollback <= step
-    timed = sum(steps) + stats.prefill_seconds
-    assert 0.6 * wall <= timed <= wall  # the rest: generate's setup and a last step with no room to draft
-
-    methods = [Method("plain"), Method("mtp-k2", drafters["mtp"], num_draft_tokens=2)]
-    (_, mtp) = run_methods(target, methods, prompts[:1], max_new_tokens=MAX_NEW_TOKENS)
-    latency = mtp.latency_ms
-    assert set(latency) == {"step", "draft", "verify", "rollback", "other"}
-    assert latency["draft"] + latency["verify"] + latency["rollback"] + latency["other"] == pytest.approx(
-        latency["step"]
-    )
-    assert latency["other"] >= 0 and latency["verify"] > 0
-
-
 def test_each_method_is_a_session_whose_first_call_is_reported_apart(target, drafters, prompts):
-    """A setting starts every method from nothing learned; its first call (prompt 0, repeat 0) is reported on its
-    own, the speed figures are its later calls'."""
-    drafter = drafters["hyperdflash"]
-    target.generate(prompts[0], assistant_model=drafter, max_new_tokens=4)
-    learned_before = schedule_memory(drafter).settings(target)
-    assert learned_before
-    starts = []
-    methods = [Method("plain"), Method("hdf", drafter, context=lambda ids: _learned(starts, drafter, target))]
+    """A method's first call in a setting (prompt 0, repeat 0) is reported on its own, the speed figures are its
+    later calls'."""
+    methods = [Method("plain"), Method("hdf", drafters["hyperdflash"])]
     plain, adaptive = run_methods(target, methods, prompts, max_new_tokens=MAX_NEW_TOKENS, repeats=2)
-    assert starts == [[], learned_before, learned_before, learned_before]  # the first call starts from nothing
     assert plain.first_call.speed_ratio == 1.0 and math.isnan(plain.first_call.tau)
-    assert adaptive.first_call.tokens_per_second > 0 and adaptive.first_call.tau >= 1.0
+    assert adaptive.first_call.tokens_per_second > 0
     assert len(adaptive.speed_ratios) == 2  # prompt 0's second repeat, and prompt 1
     assert adaptive.as_dict()["first_call"]["speed_ratio"] == adaptive.first_call.speed_ratio
     (_, single) = run_methods(target, methods, prompts, max_new_tokens=MAX_NEW_TOKENS, repeats=1)
     assert len(single.speed_ratios) == 1  # prompt 0 has only its first call
 
 
-@contextmanager
-def _learned(starts: list, drafter, target):
-    """Records what the drafter had learned when each call started."""
-    starts.append(schedule_memory(drafter).settings(target))
-    yield
-
-
-def test_a_method_resumes_the_draft_length_and_learned_state_its_last_call_left(drafters, target):
-    """Methods share drafters (mtp-k1..k6, each schedule): the heuristic schedule's length and what "adaptive"
-    learned are kept per method, and the drafter's own settings and memory come back after every call."""
+def test_a_method_resumes_the_draft_length_its_last_call_left(drafters, target):
+    """Methods share drafters (mtp-k1..k6, each schedule): the heuristic schedule's length is kept per method, and
+    the drafter's own settings come back after every call."""
     drafter = drafters["hyperdflash"]
     config = drafter.generation_config
-    own_memory = schedule_memory(drafter)
     heuristic, adaptive = Session(), Session()
     method = Method("hdf-heuristic", drafter, schedule="heuristic")
     with drafting_settings(method, heuristic):
@@ -183,7 +135,5 @@ def test_a_method_resumes_the_draft_length_and_learned_state_its_last_call_left(
         assert config.num_assistant_tokens == 1
     with drafting_settings(Method("hdf", drafter), adaptive):
         assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (3, "adaptive")
-        assert schedule_memory(drafter) is adaptive.memory
         target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=3)
     assert (heuristic.draft_length, adaptive.draft_length) == (1, 3)
-    assert adaptive.memory.settings(target) and schedule_memory(drafter) is own_memory

@@ -149,6 +149,7 @@ def test_native_mtp_is_refused_on_a_family_without_it(family):
     assert not forwards
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_train_and_eval_commands(family, tmp_path):
     """`hyperdflash train` builds and trains a drafter for the target through the family interface, and

@@ -30,8 +30,8 @@ def _drafters(target):
         ).eval(),
         "mtp": DeepseekV4MTPForDrafting.from_target(target).eval(),
     }
-    for drafter in drafters.values():  # the tests share drafters: each call learns afresh, so each one drafts
-        drafter.generation_config.num_assistant_tokens_schedule = "adaptive_transient"
+    for drafter in drafters.values():  # every step drafts: the untrained drafters' drafts go through verification
+        drafter.generation_config.num_assistant_tokens_schedule = "constant"
     return drafters
 
 
@@ -85,8 +85,8 @@ def test_generation_stats_read_as_attributes_and_print_a_summary(target, drafter
     stats = drafter.last_generation_stats
     assert stats.mean_accepted_length > 1.5
     assert stats.new_tokens == 30
-    assert stats.seconds >= sum(stats.step_seconds) > 0
-    assert len(stats.accepted_per_step) == len(stats.step_seconds) == stats.target_forwards - 1
+    assert stats.seconds > 0
+    assert len(stats.accepted_per_step) == len(stats.proposed_per_step) == stats.target_forwards - 1
     summary = repr(stats)
     assert summary.startswith(f"GenerationStats(tau={stats.mean_accepted_length:.2f}, acceptance_per_position=[")
     assert "target_forwards=" in summary and "new_tokens=30" in summary and "\n" not in summary

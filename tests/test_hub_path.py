@@ -84,6 +84,7 @@ def test_runtime_imports_only_torch_transformers_and_itself():
         assert set(absolute) <= allowed, (file.name, set(absolute) - allowed)
 
 
+@pytest.mark.slow
 def test_fresh_process_without_the_library_decodes_losslessly(saved, tmp_path):
     prompt = [5, 17, 33, 9, 250, 11, 12, 40, 77, 3, 19, 23, 8, 101, 44, 6, 7, 90]  # longer than the sliding window
     tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
@@ -109,6 +110,7 @@ def test_fresh_process_without_the_library_decodes_losslessly(saved, tmp_path):
     assert shipped_tau["reference_hyperdflash"] > 1.5  # the trained drafter really drafts through the remote code
 
 
+@pytest.mark.slow
 def test_every_family_and_drafter_kind_decodes_without_the_library(tmp_path):
     """Saved drafters for every family (all three kinds on DeepSeek-V4) give plain decoding's greedy tokens on a prompt
     past the sliding windows, and a seeded T=1 call completes, in a process that cannot import the library.
@@ -125,6 +127,7 @@ def test_every_family_and_drafter_kind_decodes_without_the_library(tmp_path):
         assert result["sampled_new_tokens"] == 24, result
 
 
+@pytest.mark.slow
 def test_readme_snippet_runs_without_the_library(saved, tmp_path):
     """The README's "Use it on your own target" code, as written, minus nothing: it has no library import."""
     text = README.read_text()
@@ -170,6 +173,7 @@ def test_library_and_remote_drafters_share_one_integration(saved):
         assert drafter.last_generation_stats.new_tokens == 16
 
 
+@pytest.mark.slow
 def test_library_takes_over_from_a_remote_code_integration(saved, tmp_path):
     script = textwrap.dedent(
         f"""

@@ -79,6 +79,7 @@ def test_layers_run_one_way():
     assert installers == ["drafting.py"], installers  # the one module-level call
 
 
+@pytest.mark.slow
 def test_importing_a_config_loads_no_adapter_cache_model_or_other_family():
     """A fresh interpreter imports both drafter configs: no target adapter, cache, drafter model or generation
     module of the runtime, no other family's transformers modeling, and generate() stays stock."""
@@ -129,6 +130,7 @@ def test_library_commands_do_not_import_each_other_or_the_cli():
         "from hf_hyperdflash.modeling import HyperDFlashForDrafting",
     ],
 )
+@pytest.mark.slow
 def test_importing_the_library_before_transformers_still_takes_over_generate(imports):
     """`import hf_hyperdflash` as a script's first line: transformers' first `generate()` loads the runtime, so
     prompt lookup on a stateful V4 target (refused by stock transformers) decodes as plain decoding does, and so

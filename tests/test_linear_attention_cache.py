@@ -61,6 +61,7 @@ def _linear_states(cache) -> list[torch.Tensor]:
     return states
 
 
+@pytest.mark.slow
 def test_random_speculative_sessions_match_token_by_token_decoding(family):
     name, model, target = family
     rng = random.Random(0)

@@ -69,7 +69,6 @@ EXACT = {
 # The drafter's generation config (where transformers reads an assistant's draft settings) -> the settings
 DRAFTER_EXACT = {
     'num_assistant_tokens_schedule="adaptive"': {"num_assistant_tokens_schedule": "adaptive"},
-    'num_assistant_tokens_schedule="adaptive_transient"': {"num_assistant_tokens_schedule": "adaptive_transient"},
     'num_assistant_tokens_schedule="heuristic"': {
         "num_assistant_tokens_schedule": "heuristic",
         "num_assistant_tokens": 2,

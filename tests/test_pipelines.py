@@ -230,6 +230,7 @@ pathlib.Path(report).write_text(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_without_the_library_a_drafter_loaded_with_remote_code_works_in_a_pipeline(published, tmp_path):
     """A Hub user's process: the drafter loaded with `trust_remote_code=True` works in a pipeline. Named by path it
     cannot: transformers passes neither the pipeline's `trust_remote_code` nor anything else to the assistant's

@@ -54,8 +54,16 @@ def glm5_next():
     return target, drafters
 
 
-@pytest.mark.parametrize("family", ["deepseek_v4", "glm5_next"])
-@pytest.mark.parametrize("pairing", ["one_shared_drafter", "two_drafters", "speculative_and_plain"])
+FAST_CASE = ("deepseek_v4", "one_shared_drafter")
+# One case on the fast path; the others, a few seconds each, in CI (`-m slow`)
+CONCURRENT_CASES = [
+    pytest.param(family, pairing, marks=() if (family, pairing) == FAST_CASE else pytest.mark.slow)
+    for family in ("deepseek_v4", "glm5_next")
+    for pairing in ("one_shared_drafter", "two_drafters", "speculative_and_plain")
+]
+
+
+@pytest.mark.parametrize(("family", "pairing"), CONCURRENT_CASES)
 def test_concurrent_calls_on_one_target_each_give_serial_plain_decoding(request, family, pairing):
     target, drafters = request.getfixturevalue(family)
     vocab = target.config.get_text_config().vocab_size

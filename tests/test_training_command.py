@@ -127,6 +127,7 @@ def test_train_command_runs_resumes_and_lora_tunes(target_dir, tmp_path):
     assert AutoModel.from_pretrained(tuned_dir, trust_remote_code=True).config.conditioning == "intermediate"
 
 
+@pytest.mark.slow
 def test_train_command_on_replies_from_a_serving_engine(target_dir, tmp_path):
     replies = tmp_path / "replies.jsonl"
     chat = [{"role": "user", "content": "Say something."}]

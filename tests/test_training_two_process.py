@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a two-process training run (CI runs it)
+
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "two_process_training.py"
 
 

@@ -127,15 +127,6 @@ def test_generate_builds_the_stopping_criteria_once_with_keywords_only():
     assert [arg.id for arg in check.args] == ["input_ids", "scores"]  # called once per step, after appending
 
 
-def test_generate_builds_the_logits_processors_once():
-    """A stretched call (`stretches.py`) hands the first stretch's processors to later stretches through a
-    per-instance `_get_logits_processor`: generate() must build them once, on `self`, and pass that list on."""
-    generate_source = ast.parse(textwrap.dedent(inspect.getsource(GenerationMixin.generate.__wrapped__)))
-    (call,) = _calls(generate_source, "_get_logits_processor")
-    assert isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
-    assert not call.args and {"generation_config", "input_ids_seq_length", "logits_processor"} <= _keywords(call)
-
-
 @pytest.mark.parametrize(
     ("prompt", "pad", "eos"),
     [([5, 0, 7], 0, 2), ([5, 0, 7], 0, [2, 0]), ([5, 6, 7], 0, 2), ([5, 0, 7], None, 2), ([5, 0, 7], 0, None)],

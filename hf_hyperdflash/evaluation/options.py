@@ -6,10 +6,9 @@
 
 For each prompt set, chat mode (--modes) and temperature (--temperatures), every method decodes every prompt
 --repeats times, interleaved per prompt; tau, acceptance per draft position, target forwards per token, tokens/s,
-speedup over plain decoding (medians), paired tau ratios with bootstrap intervals (--tau-ratio) and a per-step
-latency split are reported. Greedy (T=0) outputs must be token-identical to plain decoding: the command exits with
-status 1 if any differs. T=1 samples with fixed seeds per prompt and repeat (losslessness in distribution is
-benchmarks/lossless.py's job).
+speedup over plain decoding (medians) and paired tau ratios with bootstrap intervals (--tau-ratio) are reported.
+Greedy (T=0) outputs must be token-identical to plain decoding: the command exits with status 1 if any differs. T=1
+samples with fixed seeds per prompt and repeat (losslessness in distribution is benchmarks/lossless.py's job).
 
 Defaults: the shipped reference target, tokenizer, native MTP and drafters (with --target: only the models
 named by flags); a shipped model that is not installed is skipped with a printed note. Prompt sets: humaneval and
@@ -133,8 +132,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         choices=list(SCHEDULES),
         default=[DEFAULT_SCHEDULE],
         help="Draft schedules, each speculative method once per schedule (named NAME-SCHEDULE unless adaptive): "
-        "adaptive (the drafters' default: draft length chosen each step, drafting skipped where it does not pay, what "
-        "it learned kept for the method's next call), adaptive_transient (the same, learning afresh each call), "
+        "adaptive (the drafters' default: draft length chosen each step, drafting skipped where it does not pay), "
         "heuristic and heuristic_transient (transformers' own: +2 drafts after a fully accepted step, -1 otherwise; "
         "the first keeps its length for the next call), constant (every step drafts k) (default: adaptive).",
     )

@@ -26,7 +26,7 @@ import transformers
 
 from .harness import SettingResult
 from .paired import PairedRatio, paired_speed_ratio, paired_tau_ratio, pool_members, pooled, schedule_pairs
-from .runner import LATENCY_PARTS, PLAIN_CONTROL, MethodResult, finite_or_none
+from .runner import PLAIN_CONTROL, MethodResult, finite_or_none
 
 REPORT_FILES = {"markdown": "report.md", "json": "results.json", "plot": "acceptance.png"}
 
@@ -115,26 +115,13 @@ def _ratio_table(ratios: list[PairedRatio], quantity: str = "tau") -> list[str]:
     return lines
 
 
-def _latency_table(results: list[MethodResult]) -> list[str]:
-    parts = [*LATENCY_PARTS, "other"]
-    lines = ["| method | ms/step | " + " | ".join(parts) + " |", "|" + "---|" * (len(parts) + 2)]
-    for result in results:
-        latency = result.latency_ms
-        if not latency:
-            continue
-        shares = [f"{latency[p]:.2f} ({100 * latency[p] / latency['step']:.0f}%)" for p in parts]
-        lines.append(f"| {result.name} | {latency['step']:.2f} | " + " | ".join(shares) + " |")
-    return lines
-
-
 def markdown_report(
     results: list[SettingResult],
     run: dict,
     ratios: list[list[PairedRatio]],
     speed_ratios: list[list[PairedRatio]],
 ) -> str:
-    """The report as Markdown: how it was run, then per setting the method, tau-ratio, schedule and latency
-    tables."""
+    """The report as Markdown: how it was run, then per setting the method, tau-ratio and speed tables."""
     machine = run["machine"]
     drafters = ", ".join(f"{name} ({path})" for name, path in run["drafters"].items())
     lines = [
@@ -170,10 +157,6 @@ def markdown_report(
                 + ":",
             ]
             lines += ["", *_ratio_table(method_speed_ratios, quantity="speed")]
-        if any(method.latency_ms for method in result.methods):
-            plain_ms = 1000 / plain.median_tokens_per_second
-            lines += ["", f"Mean verify step (ms, share); plain decoding: {plain_ms:.2f} ms per token.", ""]
-            lines += _latency_table(result.methods)
     failures = [f"{name} ({r.setting.label})" for r in results for name in r.not_lossless]
     verdict = f"NOT LOSSLESS: {', '.join(failures)}" if failures else "every greedy output equals plain decoding"
     lines += ["", f"Lossless check (T=0): {verdict}.", ""]

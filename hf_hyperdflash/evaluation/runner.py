@@ -6,10 +6,10 @@ compared per prompt: each method's median tokens/s over the repeats, divided by 
 are compared with plain decoding token by token; sampled ones are not (a speculative run draws other random
 numbers, so only the distribution can match, which `benchmarks/lossless.py` tests).
 
-Each method runs as one chat session would: its calls in a setting follow each other with one drafter, so a schedule
-that keeps what it learned ("adaptive", "heuristic") starts the setting from nothing and carries it from call to
-call. Its first call (the first prompt's first repeat) is reported apart (`FirstCall`); the speed figures are those
-of its later calls.
+Each method runs as one chat session would: its calls in a setting follow each other with one drafter, so the
+"heuristic" schedule starts the setting from the configured draft length and carries its length from call to call.
+Its first call (the first prompt's first repeat) is reported apart (`FirstCall`); the speed figures are those of its
+later calls.
 """
 
 from __future__ import annotations
@@ -26,16 +26,14 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..decoding import decoding_settings
-from ..modeling.draft_policy import ScheduleMemory, schedule_memory_of
 from ..modeling.generation_stats import (
     GenerationStats,
     acceptance_per_position,
     mean_accepted_length,
     per_decoding_step,
+    synchronized_clock,
 )
-from ..modeling.step_timer import synchronized_clock
 
-LATENCY_PARTS = ("draft", "verify", "rollback")
 PLAIN_CONTROL = "plain-control"  # plain decoding timed a second time: its speed over plain's is the run's noise
 
 
@@ -88,8 +86,6 @@ class MethodResult:
     skipped_steps: int = 0  # of those, steps that decoded plainly without a drafter forward
     accepted_per_step: list[int] = field(default_factory=list)
     proposed_per_step: list[int] = field(default_factory=list)
-    latency_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("step", *LATENCY_PARTS), 0.0))
-    timed_steps: int = 0
     # Per prompt with later calls: their median tokens/s over the repeats, and its ratio to plain decoding's
     tokens_per_second: list[float] = field(default_factory=list)
     speed_ratios: list[float] = field(default_factory=list)
@@ -105,9 +101,6 @@ class MethodResult:
         self.skipped_steps += stats.skipped_steps
         self.accepted_per_step += stats.accepted_per_step
         self.proposed_per_step += stats.proposed_per_step
-        self.timed_steps += len(stats.step_seconds)
-        for part in self.latency_seconds:
-            self.latency_seconds[part] += sum(getattr(stats, f"{part}_seconds"))
 
     @property
     def tau(self) -> float:
@@ -141,15 +134,6 @@ class MethodResult:
     def speedup(self) -> float:
         return statistics.median(self.speed_ratios) if self.speed_ratios else math.nan
 
-    @property
-    def latency_ms(self) -> dict[str, float]:
-        """Mean milliseconds per verify step: the whole step, each timed part, and the rest ("other")."""
-        if not self.timed_steps:
-            return {}
-        per_step = {part: 1000 * seconds / self.timed_steps for part, seconds in self.latency_seconds.items()}
-        per_step["other"] = per_step["step"] - sum(per_step[part] for part in LATENCY_PARTS)
-        return per_step
-
     def as_dict(self) -> dict:
         """Every summary number (NaN as None, so the JSON stays standard) and the raw per-step/prompt data."""
         return {
@@ -166,12 +150,10 @@ class MethodResult:
             "tokens_per_second": finite_or_none(self.median_tokens_per_second),
             "speedup": finite_or_none(self.speedup),
             "first_call": {name: finite_or_none(value) for name, value in dataclasses.asdict(self.first_call).items()},
-            "latency_ms": self.latency_ms,
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
             "decoding_steps": self.decoding_steps,
             "skipped_steps": self.skipped_steps,
-            "timed_steps": self.timed_steps,
             "accepted_per_step": self.accepted_per_step,
             "proposed_per_step": self.proposed_per_step,
             "speed_ratios": self.speed_ratios,
@@ -182,16 +164,15 @@ class MethodResult:
 @dataclass
 class Session:
     """What a method's calls carry from one to the next, apart from other methods on the same drafter: the draft
-    length the "heuristic" schedule leaves, and what "adaptive" learned."""
+    length the "heuristic" schedule leaves."""
 
     draft_length: int | None = None
-    memory: ScheduleMemory = field(default_factory=ScheduleMemory)
 
 
 @contextmanager
 def drafting_settings(method: Method, session: Session) -> Iterator[None]:
-    """The method's draft length, schedule and learned state on its drafter for one call, the drafter's own again
-    after it (methods may share a drafter)."""
+    """The method's draft length and schedule on its drafter for one call, the drafter's own again after it (methods
+    may share a drafter)."""
     if method.drafter is None:
         yield
         return
@@ -203,8 +184,7 @@ def drafting_settings(method: Method, session: Session) -> Iterator[None]:
     originals = {name: getattr(config, name) for name in overrides}
     config.update(**{name: value for name, value in overrides.items() if value is not None})
     try:
-        with schedule_memory_of(method.drafter, session.memory):
-            yield
+        yield
         session.draft_length = config.num_assistant_tokens
     finally:
         config.update(**originals)

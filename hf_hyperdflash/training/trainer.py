@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from ..loading import import_bitsandbytes
+from ..modeling.draft_options import CONSTANT_SCHEDULE
 from ..modeling.generation_stats import mean_accepted_length
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting, special_token_ids
 from ..modeling.request_checks import check_compatible
@@ -144,16 +145,22 @@ def _batch_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str,
 
 def tau_evaluator(target: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> EvalFn:
     """Greedy tau (mean accepted length with the bonus token, pooled over all verify steps) on `prompts`,
-    measured through the real `target.generate(..., assistant_model=drafter)` path."""
+    measured through the real `target.generate(..., assistant_model=drafter)` path, every step verifying a whole
+    block (the "constant" schedule: the adaptive default would skip the steps of a drafter still learning)."""
 
     def evaluate(model: DrafterWithFrozenTarget) -> dict[str, float]:
         drafter = _draft_model(model.drafter)
         device = target.get_input_embeddings().weight.device
+        config = drafter.generation_config
+        schedule, config.num_assistant_tokens_schedule = config.num_assistant_tokens_schedule, CONSTANT_SCHEDULE
         accepted_per_step = []
-        for prompt in prompts:
-            input_ids = torch.tensor([list(prompt)], device=device)
-            target.generate(input_ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
-            accepted_per_step += drafter.last_generation_stats.accepted_per_step
+        try:
+            for prompt in prompts:
+                input_ids = torch.tensor([list(prompt)], device=device)
+                target.generate(input_ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+                accepted_per_step += drafter.last_generation_stats.accepted_per_step
+        finally:
+            config.num_assistant_tokens_schedule = schedule
         return {"tau": mean_accepted_length(accepted_per_step)}
 
     return evaluate
