@@ -12,8 +12,8 @@ tokens alone, never by the clock, so a seeded call samples the same text every t
   MTP) drafts one more token while that raises the expected rate.
 - Drafting pays while the last `window` drafted steps brought at least `1 - margin` tokens per unit of cost (plain
   decoding brings 1). When they do not, the next `wait` steps decode without the drafter, then one step probes,
-  verifying all its drafts; a probe that pays starts a fresh window and drafting resumes, one that loses doubles the
-  wait (to `max_wait`).
+  verifying all its drafts, and joins the window. Each wait doubles the next (to `max_wait`); a probe that pays on its
+  own quarters the wait before it, and a window that pays again resumes drafting with the wait back at 1.
 - What decides whether draft j is verified is known before it is drawn (confidences 1..j, earlier steps), so
   speculative sampling stays exact.
 
@@ -229,14 +229,15 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return
         self.calibration.update(step.confidences, step.proposed, step.accepted)
         drafted = (step.accepted + 1, self.costs.step(step.drafter_forwards, step.proposed))
-        if self.probing and self._pays([drafted]):  # a fresh start: the steps before the wait are stale
-            self.recent.clear()
-            self.wait = 1
         self.recent.append(drafted)
-        self.probing = False
-        if not self._pays(self.recent):
-            self.steps_to_wait, self.probing = self.wait, True
-            self.wait = min(2 * self.wait, self.max_wait)
+        probe, self.probing = self.probing, False
+        if self._pays(self.recent):
+            self.wait = 1
+            return
+        if probe and self._pays([drafted]):  # the text may have got easier: wait less before the next probe
+            self.wait = max(self.wait // 4, 1)
+        self.steps_to_wait, self.probing = self.wait, True
+        self.wait = min(2 * self.wait, self.max_wait)
 
 
 def lowest_cost_threshold(scores: Sequence[float], positives: Sequence[bool]) -> float:
