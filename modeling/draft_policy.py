@@ -12,8 +12,8 @@ tokens alone, never by the clock, so a seeded call samples the same text every t
   MTP) drafts one more token while that raises the expected rate.
 - Drafting pays while the last `window` drafted steps brought at least `1 - margin` tokens per unit of cost (plain
   decoding brings 1). When they do not, the next `wait` steps decode without the drafter, then one step probes,
-  verifying all its drafts, and joins the window. Each wait doubles the next (to `max_wait`); a probe that pays on its
-  own quarters the wait before it, and a window that pays again resumes drafting with the wait back at 1.
+  verifying one draft at least, and joins the window. Each wait doubles the next (to `max_wait`); a probe that pays
+  on its own quarters the wait before it, and a window that pays again resumes drafting with the wait back at 1.
 - What decides whether draft j is verified is known before it is drawn (confidences 1..j, earlier steps), so
   speculative sampling stays exact.
 
@@ -205,12 +205,11 @@ class AdaptiveDraftPolicy(DraftPolicy):
         return [tokens / self.costs.step(drafter_forwards, k) for k, tokens in enumerate(totals)]
 
     def choose(self, confidences: Sequence[float]) -> int:
-        """The prefix with the best expected rate (the drafter forwards are spent either way); a probe verifies every
-        draft, so the calibration learns whether the text got easier."""
-        if self.probing:
-            return len(confidences)
+        """The prefix with the best expected rate (the drafter forwards are spent either way); a probe verifies one
+        draft at least, so the calibration learns whether the text got easier."""
         rates = self._expected_rates(confidences, drafter_forwards=1)
-        return max(range(len(rates)), key=rates.__getitem__)
+        best = max(range(len(rates)), key=rates.__getitem__)
+        return max(best, 1) if self.probing else best
 
     def keep_drafting(self, confidences: Sequence[float]) -> bool:
         """One more token if verifying it, accepted as often as the last one, raises the expected rate."""
