@@ -12,8 +12,9 @@ tokens alone, never by the clock, so a seeded call samples the same text every t
   MTP) drafts one more token while that raises the expected rate.
 - Drafting pays while the last `window` drafted steps brought at least `1 - margin` tokens per unit of cost (plain
   decoding brings 1). When they do not, the next `wait` steps decode without the drafter, then one step probes,
-  verifying one draft at least, and joins the window. Each wait doubles the next (to `max_wait`); a probe that pays
-  on its own quarters the wait before it, and a window that pays again resumes drafting with the wait back at 1.
+  verifying one draft at least, and joins the window. Each wait is `wait_growth` times the last (to `max_wait`); a
+  probe that pays on its own quarters the wait before it, and a window that pays again resumes drafting with the wait
+  back at 1.
 - What decides whether draft j is verified is known before it is drawn (confidences 1..j, earlier steps), so
   speculative sampling stays exact.
 
@@ -180,8 +181,9 @@ class AcceptanceCalibration:
 class AdaptiveDraftPolicy(DraftPolicy):
     """Drafts where drafting pays by the call's cost model, verifying the best prefix (the module docstring)."""
 
-    window = 8  # drafted steps that say whether drafting pays
+    window = 16  # drafted steps that say whether drafting pays
     margin = 0.05  # drafting goes on unless it brings this much less than plain decoding per unit of cost
+    wait_growth = 4  # each wait this many times the last: 1, 4, 16, 64 steps
     max_wait = 64  # steps without the drafter between probes, at most
 
     def __init__(self, max_draft: int, costs: DraftCosts):
@@ -236,7 +238,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         if probe and self._pays([drafted]):  # the text may have got easier: wait less before the next probe
             self.wait = max(self.wait // 4, 1)
         self.steps_to_wait, self.probing = self.wait, True
-        self.wait = min(2 * self.wait, self.max_wait)
+        self.wait = min(self.wait_growth * self.wait, self.max_wait)
 
 
 def lowest_cost_threshold(scores: Sequence[float], positives: Sequence[bool]) -> float:
