@@ -254,7 +254,9 @@ def uses_stock_drafting(model: PreTrainedModel, arguments: dict) -> bool:
 def _prefill_without_draft(generator) -> None:
     """The first forward is the prompt alone, as plain decoding's prefill. Stock generators draft already there, and
     a forward of prompt and draft can differ in its prompt rows (GLM-5-Next's indexer pools tokens by position, so
-    the draft changes the pools; measured with a padded mask)."""
+    the draft changes the pools; measured with a padded mask). A stock assistant then drafts first after that
+    forward's token: its attention mask and position ids, made for the prompt, get that token's columns (the assistant
+    otherwise feeds one token more than they cover, which HY-V4's rotary embedding refuses)."""
     get_candidates = generator.get_candidates
     prefilled = []
 
@@ -262,6 +264,14 @@ def _prefill_without_draft(generator) -> None:
         if not prefilled:
             prefilled.append(True)
             return input_ids, None
+        assistant_kwargs = getattr(generator, "assistant_kwargs", {})
+        mask, positions = assistant_kwargs.get("attention_mask"), assistant_kwargs.get("position_ids")
+        if mask is not None and mask.shape[-1] < input_ids.shape[1]:
+            added = mask.new_ones(mask.shape[0], input_ids.shape[1] - mask.shape[-1])
+            assistant_kwargs["attention_mask"] = torch.cat([mask, added], dim=-1)
+        if positions is not None and positions.shape[-1] < input_ids.shape[1]:
+            added = torch.arange(1, input_ids.shape[1] - positions.shape[-1] + 1, device=positions.device)
+            assistant_kwargs["position_ids"] = torch.cat([positions, positions[..., -1:] + added], dim=-1)
         return get_candidates(input_ids, *args, **kwargs)
 
     generator.get_candidates = candidates

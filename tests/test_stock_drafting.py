@@ -1,7 +1,9 @@
-"""transformers' own drafting modes on stateful mHC targets once the package is loaded: prompt lookup and a stock
-same-family assistant model. Stock transformers refuses both on DeepSeek-V4, GLM-5-Next and Qwen4-Exp
-(`_is_stateful`); the runtime gives the target, and the assistant, caches that roll back exactly, and the same
-per-token stopping and output split as for our drafters, so the output is plain decoding's.
+"""transformers' own drafting modes on mHC targets once the package is loaded: prompt lookup and a stock
+same-family assistant model. Stock transformers refuses both on DeepSeek-V4 (its cache cannot roll back), and before
+5.25 on GLM-5-Next and Qwen4-Exp; from 5.25 it runs them there, inexactly (`target_linear_attention.py`); on HY-V4
+a stock assistant crashed once the package was loaded. The runtime gives the target, and the assistant, caches that
+roll back exactly, and the same per-token stopping and output split as for our drafters, so the output is plain
+decoding's.
 """
 
 import pytest
@@ -9,16 +11,17 @@ import torch
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
-from hf_hyperdflash.testing import tiny_deepseek_v4, tiny_glm5_next, tiny_qwen4_exp
+from hf_hyperdflash.testing import tiny_deepseek_v4, tiny_glm5_next, tiny_hy_v4, tiny_qwen4_exp
 
 pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
 
 FAMILIES = {
     "deepseek_v4": lambda seed: tiny_deepseek_v4(seed=seed, index_n_heads=2),
     "glm5_next": tiny_glm5_next,
+    "hy_v4": tiny_hy_v4,
     "qwen4_exp": tiny_qwen4_exp,
 }
-SEEDS = {"deepseek_v4": range(4), "glm5_next": range(2), "qwen4_exp": range(2)}
+SEEDS = {"deepseek_v4": range(4), "glm5_next": range(2), "hy_v4": range(2), "qwen4_exp": range(2)}
 NEW_TOKENS = 24
 OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_hidden_states=True, output_attentions=True)
 
