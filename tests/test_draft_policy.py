@@ -167,6 +167,9 @@ def test_unknown_schedule_and_bad_threshold_are_refused(tiny_target):
     drafter = _untrained(tiny_target, "dynamic")
     with pytest.raises(ValueError, match="num_assistant_tokens_schedule.*'dynamic'.*'adaptive'.*'heuristic'"):
         tiny_target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=4)
+    drafter = _untrained(tiny_target, "adaptive_transient")  # a name of earlier versions: the fix is named
+    with pytest.raises(ValueError, match="'adaptive_transient' is now 'adaptive', which keeps nothing between calls"):
+        tiny_target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=4)
     drafter = _untrained(tiny_target, "heuristic")
     drafter.generation_config.assistant_confidence_threshold = 1.5
     with pytest.raises(ValueError, match=r"assistant_confidence_threshold` must be a probability in \[0, 1\]"):
