@@ -27,11 +27,6 @@ PROMPT = torch.tensor([[5, 17, 33, 9, 250, 12]])
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_deepseek_v4(seed=0)
-
-
-@pytest.fixture(scope="module")
 def drafter(target):
     torch.manual_seed(1)
     return HyperDFlashForDrafting.from_target(target, block_size=4).eval()

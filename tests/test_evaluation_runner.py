@@ -11,14 +11,9 @@ from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.evaluation.harness import Setting, SettingResult
 from hf_hyperdflash.evaluation.runner import Method, Session, drafting_settings, run_methods
 from hf_hyperdflash.modeling.cache_deepseek_v4 import RewindableDeepseekV4Cache
-from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
+from hf_hyperdflash.testing import OracleProposer, oracle_drafting
 
 MAX_NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_deepseek_v4(seed=0)
 
 
 @pytest.fixture(scope="module")

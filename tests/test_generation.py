@@ -16,11 +16,6 @@ pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m co
 PROMPT_LENGTHS = (3, 11, 37)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_deepseek_v4(seed=0)
-
-
 def _drafters(target):
     torch.manual_seed(1)
     drafters = {

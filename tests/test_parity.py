@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
-from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
+from hf_hyperdflash.testing import OracleProposer, oracle_drafting
 
 PARITY_DOC = Path(__file__).parents[1] / "docs" / "generate_parity.md"
 PROMPT = torch.tensor([[5, 17, 33, 9, 250, 12, 77, 401, 3, 64, 128, 7]])
@@ -96,11 +96,6 @@ REFUSED = {
     "cache (not rewindable)": ({"past_key_values": DynamicCache()}, "rewindable target cache"),
     "batch size > 1": ({"input_ids": PROMPT.repeat(2, 1)}, "one prompt at a time"),
 }
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_deepseek_v4(seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,6 @@ import torch
 from hf_hyperdflash import HyperDFlashForDrafting
 from hf_hyperdflash.cli import main
 from hf_hyperdflash.plan import expected_speedup, layer_timings, sizes
-from hf_hyperdflash.testing import tiny_deepseek_v4
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_deepseek_v4(seed=0)
 
 
 def test_sizes_match_real_models_and_a_filled_cache(target):
