@@ -142,7 +142,6 @@ class CallHooks:
 
     def __init__(self):
         self._marker = object()
-        self._registrations: list[Callable[[], RemovableHandle]] = []
         self._handles: list[RemovableHandle] = []
         self._scope = scoped({self._marker: True})
 
@@ -156,37 +155,19 @@ class CallHooks:
 
         return run_in_this_call
 
-    def _register(self, register: Callable[[], RemovableHandle]) -> None:
-        self._registrations.append(register)
-        self._handles.append(register())
-
     def before(self, module: nn.Module, hook: Callable) -> None:
-        hook = self._only_in_this_call(hook)
-        self._register(lambda: module.register_forward_pre_hook(hook))
+        self._handles.append(module.register_forward_pre_hook(self._only_in_this_call(hook)))
 
     def after(self, module: nn.Module, hook: Callable, with_kwargs: bool = False) -> None:
         hook = self._only_in_this_call(hook)
-        self._register(lambda: module.register_forward_hook(hook, with_kwargs=with_kwargs))
-
-    def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """None of these hooks is registered inside, so a hooked module's forwards keep torch's fast call path (a
-        check that skips the hook would not): for forwards whose outputs the call does not need."""
-        self._remove()
-        try:
-            yield
-        finally:
-            self._handles = [register() for register in self._registrations]
+        self._handles.append(module.register_forward_hook(hook, with_kwargs=with_kwargs))
 
     def __enter__(self) -> CallHooks:
         self._scope.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         self._scope.__exit__(*exc)

@@ -226,11 +226,11 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
             self.pending.append(self.capture.features()[:, :num_new])
             self.consumed = length - 1
 
-    def _new_step(self, drafts: bool = True) -> None:
+    def _new_step(self, decoding: bool = True) -> None:
         self.confidences: list[float] = []
         self.token_probabilities: list[float] = []
         self.last_proposed = self.last_accepted = self.drafter_forwards = 0
-        self.is_decoding_step = drafts  # the prefill is no decoding step: the policy does not learn from it
+        self.is_decoding_step = decoding  # the prefill is no decoding step: the policy does not learn from it
 
     def _keep_drafting(self, confidences: list[float], probabilities: list[float]) -> bool:
         """A sequential drafter drafts one more token while the schedule, and the confidence threshold, agree."""
@@ -248,7 +248,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         self.stats.target_forwards += 1
-        self._new_step(drafts=not is_first_iteration)
+        self._new_step(decoding=not is_first_iteration)
         self.model_kwargs_overrides = {}
         if is_first_iteration:
             self.consumed = cached_length(model_kwargs[CACHE_ARGUMENT])

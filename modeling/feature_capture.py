@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Sequence
 
 import torch
 
@@ -15,12 +14,9 @@ class FeatureCapture:
     until the next forward replaces it.
     """
 
-    def __init__(
-        self, layer_ids: Sequence[int] | None, paused: Callable[[], AbstractContextManager[None]] = nullcontext
-    ):
+    def __init__(self, layer_ids: Sequence[int] | None):
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
         self._latest: dict[int | str, torch.Tensor] = {}
-        self.paused = paused  # a context whose forwards are not recorded: their features would go unused
 
     def record(self, key: int | str, tensor: torch.Tensor) -> None:
         self._latest[key] = tensor

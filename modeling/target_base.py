@@ -194,7 +194,7 @@ class HyperConnectionTarget:
         if bad:
             raise ValueError(f"target_layer_ids {bad} are outside the target's {self.num_layers} layers.")
         with CallHooks() as hooks:
-            capture = FeatureCapture(layer_ids, paused=hooks.paused)
+            capture = FeatureCapture(layer_ids)
             if layer_ids is None:
                 hooks.before(
                     self.collapse_head, lambda _, args: capture.record("pre_collapse", self.as_streams(args[0]))
