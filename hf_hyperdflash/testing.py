@@ -409,7 +409,7 @@ def save_every_family(root: Path) -> list[dict]:
     decodes."""
     from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 
-    root = Path(root)
+    root = Path(root).resolve()  # the child processes run elsewhere
     builders = {"deepseek_v4": tiny_deepseek_v4, "hy_v4": tiny_hy_v4, "glm5_next": tiny_glm5_next}
     builders["qwen4_exp"] = tiny_qwen4_exp
     cases = []
