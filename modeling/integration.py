@@ -41,7 +41,6 @@ from .request_checks import (
     check_prompt,
     draft_schedule,
     num_draft_tokens,
-    refuse_images,
     refuse_incompatible_options,
 )
 from .stopping import HeldBackStreamer, PerTokenStopping
@@ -196,7 +195,6 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     check_confidence_threshold(drafter)
     refuse_incompatible_options(request.generation_config, drafter)
     check_prompt(request.input_ids)
-    refuse_images(request.kwargs)
     if request.cache is not None:
         check_cached_prefix(request.cache, request.input_ids.shape[1])
     schedule = CallSchedule(schedule_name, drafter, request.model, draft_length)
@@ -302,8 +300,9 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
         _prefill_without_draft(generator)
         # An mHC assistant whose stock cache does not roll back gets one that does (another model keeps its own)
         family = TARGET_FAMILIES.get(getattr(getattr(assistant, "config", None), "model_type", None))
-        if family is not None and not family.stock_cache_rolls_back:
-            generator.assistant_kwargs[CACHE_ARGUMENT] = family(assistant).make_assistant_cache(max_draft)
+        assistant_cache = None if family is None else family(assistant).make_assistant_cache(max_draft)
+        if assistant_cache is not None:
+            generator.assistant_kwargs[CACHE_ARGUMENT] = assistant_cache
         return generator
 
     cache = _call_cache(target, request.cache, max_draft)

@@ -129,10 +129,10 @@ class HyperConnectionTarget:
         exactly (a forward of one token verifies no draft and need not be undone)."""
         raise NotImplementedError
 
-    def make_assistant_cache(self, max_draft: int) -> Cache:
+    def make_assistant_cache(self, max_draft: int) -> Cache | None:
         """A cache for this model drafting as a stock assistant: its `crop` also undoes the one-token forwards that
-        drafted the tokens it removes."""
-        return self.make_cache(max_draft)
+        drafted the tokens it removes; None where the cache transformers makes for an assistant does."""
+        return None if self.stock_cache_rolls_back else self.make_cache(max_draft)
 
     def adopt_cache(self, cache: Cache, max_draft: int) -> Cache:
         """A cache the caller passed in (plain decoding's, a speculative call's, or one built rewindable), made to

@@ -46,11 +46,10 @@ class LinearAttentionTarget(HyperConnectionTarget):
             return DynamicCache(config=self.config)
         return RewindableHybridCache(self.config, max_draft=max_draft)
 
-    def make_assistant_cache(self, max_draft: int) -> Cache:
-        cache = self.make_cache(max_draft)
-        if STOCK_LINEAR_ATTENTION_ROLLBACK:  # each drafting forward records the state before it, which `crop` restores
-            cache.activate_past_recording(recurrent_states_to_keep=0)
-        return cache
+    def make_assistant_cache(self, max_draft: int) -> Cache | None:
+        # From 5.25 transformers' own: it keeps the last `num_assistant_tokens` states of each forward, so `crop` also
+        # reaches into a forward of several tokens (an assistant with another tokenizer crops those)
+        return None if STOCK_LINEAR_ATTENTION_ROLLBACK else self.make_cache(max_draft)
 
     def adopt_cache(self, cache: Cache, max_draft: int) -> Cache:
         if self._is_plain_decodings_cache(cache):

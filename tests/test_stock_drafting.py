@@ -8,15 +8,17 @@ decoding's.
 
 import pytest
 import torch
+from transformers import AutoTokenizer, GenerationMixin
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
+from hf_hyperdflash import reference
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 from hf_hyperdflash.testing import tiny_deepseek_v4, tiny_glm5_next, tiny_hy_v4, tiny_qwen4_exp
 
 pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
 
 FAMILIES = {
-    "deepseek_v4": lambda seed: tiny_deepseek_v4(seed=seed, index_n_heads=2),
+    "deepseek_v4": lambda seed, **overrides: tiny_deepseek_v4(seed=seed, index_n_heads=2, **overrides),
     "glm5_next": tiny_glm5_next,
     "hy_v4": tiny_hy_v4,
     "qwen4_exp": tiny_qwen4_exp,
@@ -104,3 +106,46 @@ def test_stock_drafting_refuses_a_passed_cache_before_any_forward():
     finally:
         hook.remove()
     assert not forwards
+
+
+@pytest.fixture(scope="module")
+def two_tokenizers():
+    """The reference tokenizer, and a copy with two tokens of its own (transformers takes them for different ones)."""
+    target_tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
+    assistant_tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
+    assistant_tokenizer.add_tokens(["<assistant_only_a>", "<assistant_only_b>"])
+    return target_tokenizer, assistant_tokenizer
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("mode", ["other-tokenizer", "early-exit"])
+def test_the_other_stock_assisted_modes_are_exact_or_fail_as_without_the_package(family, mode, two_tokenizers):
+    """transformers' other assisted modes: an assistant with another tokenizer (its drafts re-tokenized), and early
+    exit (the target's first layer drafts). With the package each call gives plain greedy decoding's tokens, or fails
+    as stock transformers (the unwrapped generate()) fails on the same call; a call stock runs exactly, it runs too.
+    Measured on 5.25: early exit fails in stock on all but HY-V4, which the package leaves to transformers; another
+    tokenizer crashes stock on Qwen4-Exp (seed 1: the assistant crops past its last crop, which a linear-attention
+    layer cannot undo) and the package too, and the package runs it on DeepSeek-V4, which stock refuses."""
+    target_tokenizer, assistant_tokenizer = two_tokenizers
+    stock_generate = GenerationMixin.generate.__wrapped__
+    vocab = len(target_tokenizer)
+    for seed in range(3):
+        target = FAMILIES[family](seed, vocab_size=vocab)
+        prompt = torch.randint(3, vocab, (1, 20), generator=torch.Generator().manual_seed(seed))
+        plain = target.generate(prompt, max_new_tokens=16, do_sample=False)
+        if mode == "early-exit":
+            drafting = {"assistant_early_exit": 1}
+        else:
+            assistant = FAMILIES[family](seed + 100, vocab_size=len(assistant_tokenizer))
+            drafting = dict(
+                assistant_model=assistant, tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer
+            )
+        outcomes = []
+        for generate in (GenerationMixin.generate, stock_generate):
+            try:
+                output = generate(target, prompt, max_new_tokens=16, do_sample=False, **drafting)
+                outcomes.append("plain" if torch.equal(output, plain) else "other tokens")
+            except Exception as error:  # noqa: BLE001  (what stock raises is what is compared)
+                outcomes.append(type(error).__name__)
+        with_package, stock = outcomes
+        assert with_package == "plain" or with_package == stock, f"seed {seed}: {with_package}, stock {stock}"
