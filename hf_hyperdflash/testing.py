@@ -24,6 +24,7 @@ from transformers import (
     Glm5NextForConditionalGeneration,
     HYV4Config,
     HYV4ForCausalLM,
+    PreTrainedModel,
     Qwen4ExpConfig,
     Qwen4ExpForCausalLM,
     Qwen4ExpForConditionalGeneration,
@@ -126,7 +127,8 @@ def tiny_hy_v4(seed: int = 0, **overrides) -> HYV4ForCausalLM:
 
 def tiny_glm5_next(seed: int = 0, **overrides) -> Glm5NextForConditionalGeneration:
     """A tiny stock GLM-5-Next (KDA linear attention, then indexed attention, twice; 2 indexer heads choosing 2
-    pools of 4 tokens), fp32 eval mode. Its text model is `model.model.language_model`."""
+    pools of 4 tokens; a one-block vision tower, image and video token ids the last six of the vocabulary), fp32 eval
+    mode. Its text model is `model.model.language_model`."""
     text = dict(
         vocab_size=512,
         hidden_size=64,
@@ -173,8 +175,11 @@ def tiny_glm5_next(seed: int = 0, **overrides) -> Glm5NextForConditionalGenerati
         spatial_merge_size=2,
         temporal_patch_size=2,
     )
+    vocab = text["vocab_size"]
+    special = dict(image_token_id=vocab - 6, video_token_id=vocab - 5, image_start_token_id=vocab - 4)
+    special |= dict(image_end_token_id=vocab - 3, video_start_token_id=vocab - 2, video_end_token_id=vocab - 1)
     torch.manual_seed(seed)
-    config = Glm5NextConfig(text_config=text, vision_config=vision)
+    config = Glm5NextConfig(text_config=text, vision_config=vision, **special)
     return Glm5NextForConditionalGeneration(config).float().eval()
 
 
@@ -241,6 +246,36 @@ def tiny_qwen4_exp_composite(seed: int = 0, **overrides) -> Qwen4ExpForCondition
     )
     torch.manual_seed(seed)
     return Qwen4ExpForConditionalGeneration(config).float().eval()
+
+
+def image_prompt(model: PreTrainedModel, seed: int, video: bool = False) -> dict:
+    """generate() inputs of one prompt with one image (or a one-frame video) as the image-text targets' upstream
+    testers build them: random pixel patches for a 4 x 4 patch grid (2 x 2 tokens after the 2 x 2 merge, so
+    Qwen4-Exp's 3-D rope positions lag the token count), its placeholders between the family's start and end tokens,
+    after 3 text tokens and before 5; Qwen4-Exp also gets its `mm_token_type_ids`."""
+    config, vision = model.config, model.config.vision_config
+    if config.model_type == "glm5_next":  # one placeholder id; the start and end tokens tell image from video
+        placeholder = config.image_token_id
+        start, end = config.image_start_token_id, config.image_end_token_id
+        if video:
+            start, end = config.video_start_token_id, config.video_end_token_id
+    else:
+        placeholder = config.video_token_id if video else config.image_token_id
+        start, end = config.vision_start_token_id, config.vision_end_token_id
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, min(start, end, placeholder), (1, 8), generator=generator)
+    grid = torch.tensor([[1, 4, 4]])
+    vision_span = [start] + [placeholder] * (16 // vision.spatial_merge_size**2) + [end]
+    input_ids = torch.cat([text[:, :3], torch.tensor([vision_span]), text[:, 3:]], dim=1)
+    patch_size = vision.in_channels * vision.patch_size**2 * vision.temporal_patch_size
+    pixels = torch.randn(16, patch_size, generator=generator)
+    if video:
+        inputs = {"input_ids": input_ids, "pixel_values_videos": pixels, "video_grid_thw": grid}
+    else:
+        inputs = {"input_ids": input_ids, "pixel_values": pixels, "image_grid_thw": grid}
+    if config.model_type == "qwen4_exp":
+        inputs["mm_token_type_ids"] = (input_ids == placeholder).long() * (2 if video else 1)
+    return inputs
 
 
 class OracleProposer:

@@ -166,21 +166,6 @@ def check_prompt(input_ids: torch.LongTensor | None) -> None:
         )
 
 
-# Inputs of the composite image-text targets (GLM-5-Next, Qwen4-Exp) that put image features into the prompt
-IMAGE_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
-
-
-def refuse_images(model_kwargs: dict) -> None:
-    """The drafter embeds prompt tokens with the target's embedding, so it cannot see image features, and no test
-    shows a verify forward with images equal to plain decoding's: speculative decoding runs on text prompts."""
-    given = [name for name in IMAGE_INPUTS if model_kwargs.get(name) is not None]
-    if given:
-        raise ValueError(
-            f"Speculative decoding with a drafter runs on text prompts; got {given}. Decode prompts with images "
-            "without `assistant_model`, or pass the text alone."
-        )
-
-
 def check_cached_prefix(cache: Cache, prompt_length: int) -> None:
     """A cache the caller passed in holds a strict prefix of the prompt."""
     if cached_length(cache) >= prompt_length:

@@ -19,6 +19,7 @@ from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 from hf_hyperdflash.testing import (
     OracleProposer,
+    image_prompt,
     oracle_drafting,
     tiny_glm5_next,
     tiny_hy_v4,
@@ -348,9 +349,64 @@ def test_stock_prompt_lookup_on_hy_v4_gives_plain_decodings_hidden_states():
             torch.testing.assert_close(layer_ours, layer_theirs, rtol=1e-5, atol=1e-5)
 
 
+IMAGE_TEXT_CASES = [
+    (family, kind, modality)
+    for family in ("glm5_next", "qwen4_exp_composite")
+    for kind in DRAFTER_KINDS[family]
+    for modality in ("image", "video")
+]
+
+
+@pytest.mark.parametrize(("family", "kind", "modality"), IMAGE_TEXT_CASES)
+def test_image_and_video_prompts_return_plain_decodings_outputs_and_cache(family, kind, modality):
+    """The image-text targets with an image (or a video) in the prompt, as their testers build it: the prefill
+    carries the pixels (and Qwen4-Exp's 3-D rope positions), the drafter conditions on the target's features at every
+    prompt position, verify forwards continue as plain decoding. Drafts from an oracle, so steps accept several."""
+    new_tokens = 12
+    for seed in range(2):
+        target = family_target(family, seed)
+        inputs = image_prompt(target, seed, video=modality == "video")
+        options = generation_kwargs() | {"max_new_tokens": new_tokens}
+        plain = target.generate(**inputs, **options)
+        drafting = drafting_arguments(target, kind, seed)
+        oracle = OracleProposer(target.config.get_text_config().vocab_size, plain.sequences, corruption=0.2, seed=seed)
+        with oracle_drafting(oracle):
+            assisted = target.generate(**inputs, **drafting, **options)
+        assert_similar_outputs(assisted, plain)
+        assert len(assisted.hidden_states) == len(assisted.attentions) == new_tokens
+        assert_same_cache(getattr(assisted, CACHE_ARGUMENT), getattr(plain, CACHE_ARGUMENT))
+        if kind != "prompt-lookup":
+            assert max(drafting["assistant_model"].last_generation_stats.accepted_per_step) >= 2
+
+
 @pytest.mark.parametrize("family", ["glm5_next", "qwen4_exp_composite"])
-def test_images_with_a_drafter_are_refused(family):
+def test_a_conversation_with_an_image_continues_on_the_returned_cache(family):
+    """A second turn on the cache a speculative call with an image returned, with and without a drafter: as plain
+    decoding over the whole conversation. GLM-5-Next's second turn brings a second image; Qwen4-Exp's is text (its
+    plain decoding computes the second turn's 3-D positions from the first image's stored deltas)."""
     target = family_target(family, seed=0)
     drafting = drafting_arguments(target, "hyperdflash", seed=0)
-    with pytest.raises(ValueError, match="runs on text prompts.*pixel_values"):
-        target.generate(torch.tensor([[5, 6, 7]]), pixel_values=torch.zeros(4, 8), max_new_tokens=2, **drafting)
+    first_turn = image_prompt(target, seed=0)
+    first = target.generate(**first_turn, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, **drafting)
+    if family == "glm5_next":
+        second_turn = image_prompt(target, seed=1)
+        new_ids, new_inputs = second_turn.pop("input_ids"), second_turn
+        whole = {name: torch.cat([first_turn[name], new_inputs[name]]) for name in new_inputs}
+    else:
+        new_ids, new_inputs = torch.tensor([[7, 8, 9]]), {"image_grid_thw": first_turn["image_grid_thw"]}
+        whole = {name: value for name, value in first_turn.items() if name != "input_ids"}
+    conversation = torch.cat([first.sequences, new_ids], dim=-1)
+    if family == "qwen4_exp_composite":
+        new_inputs["mm_token_type_ids"] = whole["mm_token_type_ids"] = (
+            conversation == target.config.image_token_id
+        ).long()
+    expected = target.generate(conversation, **whole, max_new_tokens=8, do_sample=False)
+    for continuation in ({}, drafting):
+        cache = getattr(
+            target.generate(**first_turn, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, **drafting),
+            CACHE_ARGUMENT,
+        )
+        output = target.generate(
+            conversation, **new_inputs, max_new_tokens=8, do_sample=False, **continuation, **{CACHE_ARGUMENT: cache}
+        )
+        assert torch.equal(output, expected), "with a drafter" if continuation else "plain"

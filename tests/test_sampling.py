@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers.generation.utils as generation_utils
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
@@ -28,9 +29,11 @@ from hf_hyperdflash.modeling.draft_policy import AcceptanceCalibration, Adaptive
 from hf_hyperdflash.testing import (
     OracleProposer,
     chi_square_p_value,
+    image_prompt,
     oracle_drafting,
     tiny_deepseek_v4,
     tiny_glm5_next,
+    tiny_qwen4_exp_composite,
 )
 
 pytestmark = pytest.mark.slow  # statistical: thousands of sampled calls (CI runs them)
@@ -63,22 +66,43 @@ def target():
     return model
 
 
-def exact_distribution(target, settings: dict) -> torch.Tensor:
-    """P(first NEW_TOKENS tokens) for every continuation, flattened row-major; one batched teacher-forced forward."""
-    processors = LogitsProcessorList()
+def exact_distribution(target, settings: dict, inputs: dict | None = None) -> torch.Tensor:
+    """P(first NEW_TOKENS tokens) for every continuation of the prompt `inputs` (default `PROMPT`), flattened
+    row-major; teacher-forced forwards of every prefix, in batches."""
+    inputs = inputs or {"input_ids": PROMPT}
+    processors = LogitsProcessorList()  # in generate()'s order: suppression before the warpers
+    if "suppress_tokens" in settings:
+        processors.append(SuppressTokensLogitsProcessor(settings["suppress_tokens"]))
     if "temperature" in settings:
         processors.append(TemperatureLogitsWarper(settings["temperature"]))
     if "top_k" in settings:
         processors.append(TopKLogitsWarper(settings["top_k"]))
-    prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS - 1)))
-    input_ids = torch.cat([PROMPT.expand(len(prefixes), -1), prefixes], dim=1)
-    with torch.no_grad():
-        logits = target(input_ids).logits[:, PROMPT.shape[1] - 1 :]
-    probs = torch.stack(
-        [processors(input_ids[:, : PROMPT.shape[1] + i], logits[:, i]).softmax(-1) for i in range(NEW_TOKENS)], dim=1
-    )
+    vocab, prompt_length = target.config.get_text_config().vocab_size, inputs["input_ids"].shape[1]
+    prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=NEW_TOKENS - 1)))
+    probs = []
+    # A prefix holding a suppressed token has probability 0, whatever follows: the model reads another token there
+    # (an image placeholder would need pixels of its own)
+    readable = prefixes.masked_fill(torch.isin(prefixes, torch.tensor(settings.get("suppress_tokens", []))), 3)
+    for batch in readable.split(256):
+        batch_inputs = {name: _repeated(name, value, batch) for name, value in inputs.items()}
+        input_ids = batch_inputs["input_ids"]
+        with torch.no_grad():
+            logits = target(**batch_inputs).logits[:, prompt_length - 1 :]
+        steps = [processors(input_ids[:, : prompt_length + i], logits[:, i]).softmax(-1) for i in range(NEW_TOKENS)]
+        probs.append(torch.stack(steps, dim=1))
+    probs = torch.cat(probs)
     prefix_probs = probs[:, :-1].gather(-1, prefixes.unsqueeze(-1)).squeeze(-1).prod(-1)
     return (prefix_probs.unsqueeze(-1) * probs[:, -1]).flatten().double()
+
+
+def _repeated(name: str, value: torch.Tensor, prefixes: torch.LongTensor) -> torch.Tensor:
+    """One prompt input for a batch of `prompt + prefix` rows: token ids extended by the prefixes (token types by
+    text), the image inputs once per row."""
+    if name == "input_ids":
+        return torch.cat([value.expand(len(prefixes), -1), prefixes], dim=1)
+    if name == "mm_token_type_ids":
+        return torch.cat([value.expand(len(prefixes), -1), torch.zeros_like(prefixes)], dim=1)
+    return value.repeat(len(prefixes), *[1] * (value.dim() - 1))
 
 
 def drafter_for(target, kind: str) -> HyperDFlashForDrafting | DeepseekV4MTPForDrafting:
@@ -100,28 +124,32 @@ def speculative_samples(
     samples_per_seed: int = SAMPLES_PER_SEED,
     drafter: HyperDFlashForDrafting | DeepseekV4MTPForDrafting | None = None,
     seeds: tuple[int, ...] = SEEDS,
+    inputs: dict | None = None,
 ) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Counts of every continuation over all samples, and the accepted/proposed drafts of every verify step. The
-    samples are calls in a row with one drafter (`drafter_for(target, kind)` unless given), as in a chat session.
+    """Counts of every continuation of `inputs` (default `PROMPT`) over all samples, and the accepted/proposed drafts
+    of every verify step. The samples are calls in a row with one drafter (`drafter_for(target, kind)` unless given),
+    as in a chat session.
 
     kind "oracle" routes a HyperDFlash drafter's proposals through an `OracleProposer` hinting the greedy continuation.
     """
+    inputs = inputs or {"input_ids": PROMPT}
+    vocab, prompt_length = target.config.get_text_config().vocab_size, inputs["input_ids"].shape[1]
     drafter = drafter if drafter is not None else drafter_for(target, kind)
     routing = nullcontext()
     if kind == "oracle":
-        greedy = target.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
-        routing = oracle_drafting(OracleProposer(VOCAB, greedy, corruption=0.2, seed=0))
-    counts = torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64)
-    place_values = VOCAB ** torch.arange(NEW_TOKENS - 1, -1, -1)
+        greedy = target.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        routing = oracle_drafting(OracleProposer(vocab, greedy, corruption=0.2, seed=0))
+    counts = torch.zeros(vocab**NEW_TOKENS, dtype=torch.float64)
+    place_values = vocab ** torch.arange(NEW_TOKENS - 1, -1, -1)
     accepted, proposed = [], []
     with routing:
         for seed in seeds:
             torch.manual_seed(seed)
             for _ in range(samples_per_seed):
                 out = target.generate(
-                    PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, assistant_model=drafter, **settings
+                    **inputs, max_new_tokens=NEW_TOKENS, do_sample=True, assistant_model=drafter, **settings
                 )
-                counts[int((out[0, PROMPT.shape[1] :] * place_values).sum())] += 1
+                counts[int((out[0, prompt_length:] * place_values).sum())] += 1
                 accepted += drafter.last_generation_stats.accepted_per_step
                 proposed += drafter.last_generation_stats.proposed_per_step
     return counts, accepted, proposed
@@ -208,8 +236,8 @@ def test_every_schedule_keeps_the_target_distribution(target, case):
 
 def test_speculative_samples_on_a_linear_attention_target_follow_its_distribution():
     """GLM-5-Next (KDA linear attention, then indexed attention): rejections roll back its recurrent and conv states
-    by replaying the kernel (`cache_linear_attention.py`); samples still follow the target. 800 samples: each
-    generate() on this target costs about three times the V4 one's."""
+    with past recording (5.25) or by replaying the kernel (`cache_linear_attention.py`, before); samples still follow
+    the target. 800 samples: each generate() on this target costs about three times the V4 one's."""
     target = tiny_glm5_next(
         seed=0,
         vocab_size=VOCAB,
@@ -223,6 +251,45 @@ def test_speculative_samples_on_a_linear_attention_target_follow_its_distributio
         target.lm_head.weight.mul_(20.0)
     probs = exact_distribution(target, PROCESSED)
     counts, accepted, proposed = speculative_samples(target, "oracle", PROCESSED, samples_per_seed=200)
+    assert outcomes(accepted, proposed) == {"full", "partial", "zero"}
+    assert counts[probs == 0].sum() == 0
+    p_value = chi_square_p_value(counts, probs)
+    assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"
+
+
+IMAGE_TEXT_VOCAB = 16  # room for the image and video tokens (the last six); the test suppresses them and EOS
+IMAGE_TEXT_TARGETS = {
+    "glm5_next": lambda: tiny_glm5_next(
+        seed=0,
+        vocab_size=IMAGE_TEXT_VOCAB,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "dense"],
+        indexer_types=["full", "full"],
+    ),
+    "qwen4_exp": lambda: tiny_qwen4_exp_composite(
+        seed=0,
+        vocab_size=IMAGE_TEXT_VOCAB,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "indexed_attention"],
+        ple_layer_ids=[1],
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(IMAGE_TEXT_TARGETS))
+def test_samples_after_an_image_prompt_follow_the_target_distribution(family):
+    """The image-text targets with an image in the prompt (2 layers: linear attention, then indexed attention):
+    speculative samples of the continuation follow the target's distribution given the image. 800 samples."""
+    target = IMAGE_TEXT_TARGETS[family]()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20.0)
+    config = target.config.get_text_config()
+    special = [config.eos_token_id, *range(IMAGE_TEXT_VOCAB - 6, IMAGE_TEXT_VOCAB)]
+    settings = PROCESSED | {"suppress_tokens": special}  # a generated placeholder would need pixels of its own
+    inputs = image_prompt(target, seed=0)
+    probs = exact_distribution(target, settings, inputs)
+    counts, accepted, proposed = speculative_samples(target, "oracle", settings, samples_per_seed=200, inputs=inputs)
     assert outcomes(accepted, proposed) == {"full", "partial", "zero"}
     assert counts[probs == 0].sum() == 0
     p_value = chi_square_p_value(counts, probs)

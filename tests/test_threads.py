@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting, reference
 from hf_hyperdflash.modeling.call_scope import CallHooks
-from hf_hyperdflash.testing import tiny_glm5_next
+from hf_hyperdflash.testing import image_prompt, tiny_glm5_next, tiny_qwen4_exp_composite
 
 pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
 
@@ -82,6 +82,24 @@ def test_concurrent_calls_on_one_target_each_give_serial_plain_decoding(request,
         ]
         outputs = _concurrently(calls)
         for output, plain in zip(outputs, expected, strict=True):
+            assert torch.equal(output, plain), f"round {round_}"
+
+
+@pytest.mark.parametrize("build", [tiny_glm5_next, tiny_qwen4_exp_composite], ids=["glm5_next", "qwen4_exp"])
+def test_concurrent_calls_with_image_prompts_each_give_serial_plain_decoding(build):
+    """Two threads with different images (one an image, one a video) and one shared drafter on an image-text target:
+    each call's pixels, and Qwen4-Exp's 3-D positions, stay its own."""
+    target = build(seed=0)
+    torch.manual_seed(0)
+    drafter = HyperDFlashForDrafting.from_target(target, block_size=4)
+    for round_ in range(2):
+        prompts = [image_prompt(target, seed=2 * round_), image_prompt(target, seed=2 * round_ + 1, video=True)]
+        expected = [target.generate(**p, max_new_tokens=NEW_TOKENS, do_sample=False) for p in prompts]
+        calls = [
+            lambda p=p: target.generate(**p, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False)
+            for p in prompts
+        ]
+        for output, plain in zip(_concurrently(calls), expected, strict=True):
             assert torch.equal(output, plain), f"round {round_}"
 
 
