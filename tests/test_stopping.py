@@ -11,15 +11,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_hyperdflash import HyperDFlashForDrafting, reference
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
-from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
+from hf_hyperdflash.testing import OracleProposer, oracle_drafting
 
 VOCAB = 512
 PROMPT = torch.tensor([[5, 17, 33, 9, 250, 12, 77, 401, 3, 64, 128]])
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_deepseek_v4(seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast, TextStreamer
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
-from hf_hyperdflash.testing import OracleProposer, oracle_drafting, tiny_deepseek_v4
+from hf_hyperdflash.testing import OracleProposer, oracle_drafting
 
 VOCAB = 512
 # Longer than the target's sliding window (8), so verify steps rewind a truncated sliding cache.
@@ -26,11 +26,6 @@ def tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_deepseek_v4(seed=0)
 
 
 def _streamed(capsys, target, tokenizer, **kwargs) -> tuple[str, torch.LongTensor]:
