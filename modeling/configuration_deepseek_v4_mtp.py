@@ -37,6 +37,7 @@ class DeepseekV4MTPConfig(DeepseekV4Config):
             "auto_map",
             "layer_types",
             "mlp_layer_types",
+            "quantization_config",  # a drafter's own, set where it is loaded quantized (`release_weights.py`)
         ):
             settings.pop(key, None)
         settings["num_hidden_layers"] = 1

@@ -12,9 +12,12 @@ Deeper drafts reuse the module on its own `residual'`. Embedding and `lm_head` a
 are passed in at run time, never stored here.
 """
 
+import os
+
 import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.core_model_loading import WeightRenaming
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4DecoderLayer,
@@ -28,10 +31,22 @@ from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
 from .draft_options import DEFAULT_MTP_DEPTH, DEFAULT_SCHEDULE
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
+from .release_weights import Release, drafter_from_release
 from .remote_code import RemoteCodeMixin
 from .strict_loading import StrictLoadingMixin
 from .target_base import activation_dtype
 from .transformers_compat import CACHE_ARGUMENT
+
+# After transformers' V4 renaming (`conversion_mapping.py`): the block's modules, its final norm (which the target's
+# rule `\.norm\.` -> `.kv_norm.` renamed), its collapse head (the target's rules match only top-level `hc_head_*`)
+MTP_RENAMES = [
+    WeightRenaming(
+        r"^mtp\.0\.(self_attn|mlp|input_layernorm|post_attention_layernorm|attn_hc|ffn_hc)\.", r"block.\1."
+    ),
+    WeightRenaming(r"^mtp\.0\.kv_norm\.", "norm."),
+    WeightRenaming(r"^mtp\.0\.hc_head_(fn|base|scale)", r"hc_head.hc_\1"),
+    WeightRenaming(r"^mtp\.0\.", ""),
+]
 
 
 class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, DeepseekV4PreTrainedModel):
@@ -71,6 +86,33 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMix
         model.hc_head.load_state_dict(target.model.hc_head.state_dict())
         model.norm.load_state_dict(target.model.norm.state_dict())
         return model
+
+    @classmethod
+    def from_target_checkpoint(
+        cls,
+        name_or_path: str | os.PathLike,
+        dequantize: bool | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        **hub_options,
+    ) -> "DeepseekV4MTPForDrafting":
+        """The MTP block a DeepSeek-V4 release ships (`mtp.0.*` in the target's own checkpoint, a local folder or a
+        Hub repo id; only those tensors are read). FP8 and FP4 weights stay quantized where transformers' FP8 kernels
+        run (a CUDA device of compute capability 8.9 or more) unless `dequantize=True`; elsewhere they are
+        dequantized to `dtype`. `hub_options` go to the Hub download (`revision`, `token`, ...)."""
+        release = Release.open(name_or_path, **hub_options)
+        release.check_is_v4()
+        names = release.drafter_tensor_names()
+        if "mtp.0.e_proj.weight" not in names:
+            ships = "DSpark (`mtp.0.main_proj`)" if "mtp.0.main_proj.weight" in names else "no drafter (no `mtp.*`)"
+            raise ValueError(
+                f"{name_or_path} ships {ships}, not DeepSeek-V4's native MTP block (`mtp.0.e_proj`)."
+                + (" Load it with `DeepseekV4DSparkForDrafting.from_target_checkpoint`." if "DSpark" in ships else "")
+            )
+        if any(name.startswith("mtp.1.") for name in names):
+            raise ValueError(f"{name_or_path} ships several MTP blocks; this drafter reads one (`mtp.0.*`).")
+        config = DeepseekV4MTPConfig.from_target_config(release.target_config())
+        config.target_name_or_path = str(name_or_path)
+        return drafter_from_release(cls, config, release, MTP_RENAMES, dequantize, dtype)
 
     def forward(
         self,

@@ -20,7 +20,9 @@ from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 from .. import reference
 from ..modeling.draft_options import DEFAULT_SCHEDULE
 from ..modeling.integration import check_compatible
+from ..modeling.modeling_deepseek_v4_mtp import DeepseekV4MTPForDrafting
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
+from ..modeling.release_weights import is_deepseek_v4_release
 from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
 from ..modeling.targets import get_target_adapter
 from ..prompts import Messages
@@ -80,13 +82,17 @@ def check_drafter(name: str, path: str | Path) -> None:
 
 
 def load_drafter(name: str, path: str | Path, target: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
-    """A saved drafter (HyperDFlash, vanilla DFlash or native MTP) next to the target's head, checked against it."""
-    check_drafter(name, path)
+    """A saved drafter (HyperDFlash, vanilla DFlash or native MTP), or the MTP block a DeepSeek-V4 release ships
+    (`path` the target's own checkpoint), next to the target's head, checked against it."""
     device = target.get_output_embeddings().weight.device
-    try:
-        drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
-    except OSError as error:  # a Hub id (or a relative path shaped like one) that could not be fetched
-        raise ValueError(f"Drafter {name!r}: {unreachable_hub_id(path, error)}") from error
+    if name == "mtp" and is_deepseek_v4_release(path):
+        drafter = DeepseekV4MTPForDrafting.from_target_checkpoint(path, dtype=dtype).to(device)
+    else:
+        check_drafter(name, path)
+        try:
+            drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+        except OSError as error:  # a Hub id (or a relative path shaped like one) that could not be fetched
+            raise ValueError(f"Drafter {name!r}: {unreachable_hub_id(path, error)}") from error
     try:
         check_compatible(get_target_adapter(target), drafter)
     except ValueError as error:

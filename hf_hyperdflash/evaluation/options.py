@@ -95,7 +95,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     models.add_argument(
         "--mtp",
         default="auto",
-        help="Native MTP module directory, or 'none'. Default (auto): the shipped one with the shipped target.",
+        help="Native MTP: a saved drafter directory, a DeepSeek-V4 release (the target's checkpoint: the MTP block it "
+        "ships), or 'none'. Default (auto): the shipped one with the shipped target.",
     )
     models.add_argument(
         "--mtp-steps",

@@ -1,0 +1,192 @@
+"""The drafter a DeepSeek-V4 release ships, read from the target's own checkpoint (`from_target_checkpoint`).
+
+The release is the shipped reference pair written as DeepSeek ships V4 (`hf_hyperdflash.deepseek_checkpoint`):
+original key names, FP8 E4M3 linears with E8M0 block scales, MXFP4 routed experts, BF16 norms, F32 hyper-connection
+parameters, three shards and an index; the MTP block under `mtp.0.*`. The target loads from it with transformers'
+own `from_pretrained` (its FP8 quantizer dequantizes on this CPU), the MTP with `from_target_checkpoint`.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from hf_hyperdflash import DeepseekV4MTPForDrafting, reference
+from hf_hyperdflash.deepseek_checkpoint import mtp_tensors as release_mtp_tensors
+from hf_hyperdflash.deepseek_checkpoint import write_release
+from hf_hyperdflash.evaluation.harness import load_drafter
+from hf_hyperdflash.testing import DECODE_EVERY_PAIR, HUB_PROMPT, run_without_the_library
+
+FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32)
+    mtp = DeepseekV4MTPForDrafting.from_pretrained(reference.mtp_path(), dtype=torch.float32)
+    return write_release(target, tmp_path_factory.mktemp("release"), release_mtp_tensors(mtp))
+
+
+@pytest.fixture(scope="module")
+def released_pair(release):
+    # .float(): transformers 5.23 leaves a dequantized release's unquantized tensors BF16 whatever `dtype` asks
+    target = AutoModelForCausalLM.from_pretrained(release, dtype=torch.float32).float().eval()
+    return target, DeepseekV4MTPForDrafting.from_target_checkpoint(release, dtype=torch.float32)
+
+
+def released_tensors(folder) -> dict[str, torch.Tensor]:
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = {}
+    for name, shard in weight_map.items():
+        if name.startswith("mtp."):
+            with safe_open(folder / shard, "pt") as file:
+                tensors[name] = file.get_tensor(name)
+    return tensors
+
+
+def expected_mtp_layout(num_experts: int) -> dict[str, str]:
+    """Every `mtp.0.*` tensor of a V4 release and its dtype, as vLLM's `deepseek_v4_mtp.py` loader and DeepSeek's
+    `inference/model.py` (`MTPBlock`) read them: 39 + 6 per routed expert (1,575 for V4-Flash's 256 experts)."""
+    layout = {"attn.attn_sink": "F32", "ffn.gate.bias": "F32", "ffn.gate.weight": "BF16"}
+    layout |= {f"{norm}.weight": "BF16" for norm in ("attn.q_norm", "attn.kv_norm", "attn_norm", "ffn_norm")}
+    layout |= {f"{norm}.weight": "BF16" for norm in ("enorm", "hnorm", "norm")}
+    fp8 = [f"attn.{name}" for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")] + ["e_proj", "h_proj"]
+    fp8 += [f"ffn.shared_experts.{w}" for w in ("w1", "w2", "w3")]
+    layout |= {f"{linear}.weight": "F8_E4M3" for linear in fp8} | {f"{linear}.scale": "F8_E8M0" for linear in fp8}
+    for expert in range(num_experts):
+        for w in ("w1", "w2", "w3"):
+            layout |= {f"ffn.experts.{expert}.{w}.weight": "I8", f"ffn.experts.{expert}.{w}.scale": "F8_E8M0"}
+    for site in ("attn", "ffn"):
+        layout |= {f"hc_{site}_{part}": "F32" for part in ("fn", "base", "scale")}
+    layout |= {f"hc_head_{part}": "F32" for part in ("fn", "base", "scale")}
+    return {f"mtp.0.{name}": dtype for name, dtype in layout.items()}
+
+
+DTYPE_NAMES = {
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e8m0fnu: "F8_E8M0",
+    torch.int8: "I8",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+}
+
+
+def test_the_release_holds_the_mtp_block_in_the_layout_the_public_loaders_read(release):
+    config = json.loads((release / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128] and config["expert_dtype"] == "fp4"
+    tensors = released_tensors(release)
+    layout = {name: DTYPE_NAMES[tensor.dtype] for name, tensor in tensors.items()}
+    assert layout == expected_mtp_layout(config["n_routed_experts"])
+    hidden, intermediate = config["hidden_size"], config["moe_intermediate_size"]
+    assert tensors["mtp.0.ffn.experts.0.w1.weight"].shape == (intermediate, hidden // 2)  # two E2M1 per byte
+    assert tensors["mtp.0.ffn.experts.0.w1.scale"].shape == (intermediate, hidden // 32)
+    assert tensors["mtp.0.e_proj.scale"].shape == (-(-hidden // 128), -(-hidden // 128))
+
+
+def dequantized(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A released weight's values, read by hand: FP8 times its block's scale; MXFP4 nibbles (first in the low
+    one) times their group's scale."""
+    weight, scale = tensors[f"{name}.weight"], tensors[f"{name}.scale"].float()
+    if weight.dtype == torch.int8:
+        codes = weight.view(torch.uint8).long()
+        values = torch.tensor(FP4_VALUES)[torch.stack([codes & 15, codes >> 4], dim=-1)].flatten(-2)
+        return values * scale.repeat_interleave(32, dim=-1)
+    rows, cols = weight.shape
+    grid = scale.repeat_interleave(128, dim=0)[:rows].repeat_interleave(128, dim=1)[:, :cols]
+    return weight.float() * grid
+
+
+def test_the_loaded_mtp_holds_exactly_the_released_values(release, released_pair):
+    _, mtp = released_pair
+    tensors = released_tensors(release)
+    assert torch.equal(mtp.e_proj.weight, dequantized(tensors, "mtp.0.e_proj"))
+    assert torch.equal(mtp.block.self_attn.q_a_proj.weight, dequantized(tensors, "mtp.0.attn.wq_a"))
+    first_expert = torch.cat([dequantized(tensors, f"mtp.0.ffn.experts.0.{w}") for w in ("w1", "w3")])
+    assert torch.equal(mtp.block.mlp.experts.gate_up_proj[0], first_expert)
+    assert torch.equal(mtp.norm.weight, tensors["mtp.0.norm.weight"].float())  # its own, not the target's norm
+    assert torch.equal(mtp.hc_head.hc_fn, tensors["mtp.0.hc_head_fn"])
+    assert mtp.config.target_name_or_path == str(release) and not hasattr(mtp, "lm_head")
+
+
+def _prompts(count: int) -> list[torch.LongTensor]:
+    """Lengths past the sliding window (64) and several compression windows of the reference target."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 8192, (1, 70 + 5 * i), generator=generator) for i in range(count)]
+
+
+def _assert_lossless(target, mtp, prompts) -> int:
+    accepted = 0
+    for prompt in prompts:
+        plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+        assert torch.equal(target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=mtp), plain)
+        accepted += sum(mtp.last_generation_stats.accepted_per_step)
+    return accepted
+
+
+def test_generate_with_the_released_mtp_is_plain_greedy_decoding(released_pair):
+    target, mtp = released_pair
+    mtp.generation_config.num_assistant_tokens_schedule = "constant"  # every step drafts: rollbacks too
+    assert _assert_lossless(target, mtp, _prompts(4)) > 0
+
+
+@pytest.mark.slow
+def test_generate_with_the_released_mtp_on_fifty_prompts(released_pair):
+    target, mtp = released_pair
+    mtp.generation_config.num_assistant_tokens_schedule = "constant"
+    assert _assert_lossless(target, mtp, _prompts(50)) > 0
+
+
+def test_hyperdflash_eval_takes_a_release_as_its_mtp(release, released_pair):
+    target, mtp = released_pair
+    loaded = load_drafter("mtp", release, target, torch.float32)
+    assert torch.equal(loaded.e_proj.weight, mtp.e_proj.weight)
+
+
+@pytest.mark.slow
+def test_the_saved_release_mtp_decodes_in_a_process_without_the_package(release, released_pair, tmp_path):
+    """Saved with `save_pretrained`, the MTP read from a release is an ordinary drafter: a process that cannot import
+    the package decodes with it through `trust_remote_code` alone, greedy as plain decoding, and samples."""
+    _, mtp = released_pair
+    mtp.save_pretrained(tmp_path / "mtp")
+    case = {"target": str(release), "target_class": "DeepseekV4ForCausalLM", "prompt": HUB_PROMPT}
+    case["drafters"] = [str(tmp_path / "mtp")]
+    *results, status = json.loads(
+        run_without_the_library(tmp_path, DECODE_EVERY_PAIR, json.dumps([case])).splitlines()[-1]
+    )
+    assert not status["library_imported"]
+    assert results[0]["identical"] and results[0]["sampled_new_tokens"] == 24
+
+
+def _altered(release, tmp_path, config_changes=None, drop=()) -> str:
+    folder = tmp_path / "altered"
+    shutil.copytree(release, folder)
+    config = json.loads((folder / "config.json").read_text()) | (config_changes or {})
+    (folder / "config.json").write_text(json.dumps(config))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {name: shard for name, shard in index["weight_map"].items() if not drop(name)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("v4.1", "a 'deepseek_v41' checkpoint, not DeepSeek-V4"),
+        ("no drafter", r"ships no drafter \(no `mtp\.\*`\)"),
+        ("partial", r"do not load \(\{'missing': \['block\.self_attn\.kv_proj\.weight'\]"),
+    ],
+)
+def test_a_release_without_a_loadable_mtp_is_refused_in_one_line(release, tmp_path, case, message):
+    changes, drop = {}, lambda name: False
+    if case == "v4.1":
+        changes = {"model_type": "deepseek_v41", "text_config": {}}
+    elif case == "no drafter":
+        drop = lambda name: name.startswith("mtp.")  # noqa: E731
+    else:
+        drop = lambda name: name.startswith("mtp.0.attn.wkv.")  # noqa: E731
+    with pytest.raises(ValueError, match=message) as error:
+        DeepseekV4MTPForDrafting.from_target_checkpoint(_altered(release, tmp_path, changes, drop))
+    assert "\n" not in str(error.value)
