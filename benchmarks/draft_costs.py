@@ -5,11 +5,13 @@
 The schedule takes a step that runs the drafter `f` times and verifies `k` drafts to cost `1 + draft_cost * f +
 verify_cost * k` plain steps (`modeling/draft_policy.py`). This script times, on the shipped reference pair at T=0
 and interleaved with plain decoding, calls whose every step drafts and verifies exactly k drafts ("constant"
-schedule): HyperDFlash for k = 1, 3, 5, 7, native MTP for k = 1, 2, 3. A step's cost is the call's seconds per
-target forward over plain decoding's seconds per token (medians over repeats, per prompt, then over prompts); the
+schedule): HyperDFlash for k = 1, 3, 5, 7, native MTP for k = 1, 2, 3, and DSpark for k = 1, 3, 5 (untrained, three
+stages built on the reference target: its cost does not depend on its weights). A step's cost is the call's seconds
+per target forward over plain decoding's seconds per token (medians over repeats, per prompt, then over prompts); the
 least-squares lines through them give `verify_cost` (the HyperDFlash line's slope), HyperDFlash's `draft_cost` (its
-intercept less 1) and native MTP's (its slope less `verify_cost`). Prints the costs per k and the fitted values,
-which `DRAFT_COSTS_BY_DEVICE` in `modeling/draft_options.py` holds for this device kind (`docs/results.md`).
+intercept less 1), native MTP's (its slope less `verify_cost`) and DSpark's (its line's intercept less 1). Prints
+the costs per k and the fitted values, which `DRAFT_COSTS_BY_DEVICE` in `modeling/draft_options.py` holds for this
+device kind (`docs/results.md`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import time
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from hf_hyperdflash import reference
+from hf_hyperdflash import DeepseekV4DSparkForDrafting, reference
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
-DRAFTS = {"hyperdflash": (1, 3, 5, 7), "mtp": (1, 2, 3)}
+DRAFTS = {"hyperdflash": (1, 3, 5, 7), "mtp": (1, 2, 3), "dspark": (1, 3, 5)}
 
 
 def line(points: dict[int, float]) -> tuple[float, float]:
@@ -52,6 +54,7 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32).to(args.device).eval()
     paths = {"hyperdflash": reference.drafter_path("hyperdflash"), "mtp": reference.mtp_path()}
     drafters = {kind: AutoModel.from_pretrained(path, dtype=torch.float32).eval() for kind, path in paths.items()}
+    drafters["dspark"] = DeepseekV4DSparkForDrafting.from_target(target, dspark_noise_token_id=tokenizer.pad_token_id)
     for drafter in drafters.values():
         drafter.to(args.device)
         drafter.generation_config.num_assistant_tokens_schedule = "constant"
@@ -77,7 +80,11 @@ def main() -> None:
     intercept, verify_cost = line({k: medians["hyperdflash", k] for k in DRAFTS["hyperdflash"]})
     _, mtp_slope = line({k: medians["mtp", k] for k in DRAFTS["mtp"]})
     mtp_draft_cost = mtp_slope - verify_cost
-    print(f"verify_cost {verify_cost:.3f}; draft_cost: hyperdflash {intercept - 1:.3f}, mtp {mtp_draft_cost:.3f}")
+    dspark_intercept, _ = line({k: medians["dspark", k] for k in DRAFTS["dspark"]})
+    print(
+        f"verify_cost {verify_cost:.3f}; draft_cost: hyperdflash {intercept - 1:.3f}, mtp {mtp_draft_cost:.3f}, "
+        f"dspark {dspark_intercept - 1:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import sys
 __version__ = "0.2.0"
 
 _RUNTIME_NAMES = {  # public name -> the module that defines it
+    "DeepseekV4DSparkConfig": ".modeling.configuration_deepseek_v4_dspark",
+    "DeepseekV4DSparkForDrafting": ".modeling.drafting",
     "DeepseekV4MTPConfig": ".modeling.configuration_deepseek_v4_mtp",
     "DeepseekV4MTPForDrafting": ".modeling.drafting",
     "GenerationStats": ".modeling.generation_stats",
@@ -35,9 +37,10 @@ def _load_runtime() -> None:
     if stock is not None:  # `_load_runtime_on_first_generate` stood in until now
         GenerationMixin.generate = stock
 
+    from .modeling.configuration_deepseek_v4_dspark import DeepseekV4DSparkConfig
     from .modeling.configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
     from .modeling.configuration_hyperdflash import HyperDFlashConfig
-    from .modeling.drafting import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+    from .modeling.drafting import DeepseekV4DSparkForDrafting, DeepseekV4MTPForDrafting, HyperDFlashForDrafting
     from .modeling.integration import install_generate_integration
     from .pipeline_assistants import install_pipeline_assistant_loading
 
@@ -48,6 +51,8 @@ def _load_runtime() -> None:
     AutoModel.register(HyperDFlashConfig, HyperDFlashForDrafting, exist_ok=True)
     AutoConfig.register(DeepseekV4MTPConfig.model_type, DeepseekV4MTPConfig, exist_ok=True)
     AutoModel.register(DeepseekV4MTPConfig, DeepseekV4MTPForDrafting, exist_ok=True)
+    AutoConfig.register(DeepseekV4DSparkConfig.model_type, DeepseekV4DSparkConfig, exist_ok=True)
+    AutoModel.register(DeepseekV4DSparkConfig, DeepseekV4DSparkForDrafting, exist_ok=True)
 
 
 def __getattr__(name: str):

@@ -164,3 +164,26 @@ def mtp_tensors(drafter) -> dict[str, torch.Tensor]:
     for part in ("fn", "base", "scale"):
         tensors[f"mtp.0.hc_head_{part}"] = getattr(drafter.hc_head, f"hc_{part}").detach()
     return tensors
+
+
+def dspark_tensors(drafter) -> dict[str, torch.Tensor]:
+    """A `DeepseekV4DSparkForDrafting`'s weights as a release's `mtp.{0,1,2}.*` tensors, and its config fields."""
+    stages = blocks_by_original_name(list(drafter.layers), drafter.config)
+    tensors = {re.sub(r"^layers\.(\d+)\.", r"mtp.\1.", name): tensor for name, tensor in stages.items()}
+    last = f"mtp.{len(drafter.layers) - 1}"
+    tensors["mtp.0.main_proj.weight"] = drafter.main_proj.weight.detach()
+    tensors["mtp.0.main_norm.weight"] = drafter.main_norm.weight.detach()
+    tensors[f"{last}.norm.weight"] = drafter.norm.weight.detach()
+    for part in ("fn", "base", "scale"):
+        tensors[f"{last}.hc_head_{part}"] = getattr(drafter.hc_head, f"hc_{part}").detach()
+    tensors[f"{last}.markov_head.markov_w1.weight"] = drafter.markov_w1.weight.detach()
+    tensors[f"{last}.markov_head.markov_w2.weight"] = drafter.markov_w2.weight.detach()
+    tensors[f"{last}.confidence_head.proj.weight"] = drafter.confidence_head.weight.detach()
+    return tensors
+
+
+def dspark_config_fields(drafter) -> dict:
+    """The `dspark_*` fields a release's config.json carries."""
+    config = drafter.config
+    fields = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+    return {name: getattr(config, name) for name in fields}

@@ -298,7 +298,7 @@ class OracleProposer:
         corrupt = float(torch.rand(1, generator=self.generator)) < self.corruption
         return random_token if corrupt else int(self.reference[0, position])
 
-    def propose(self, features, positions, input_ids, num_tokens, pick, keep_drafting):
+    def propose(self, features, positions, input_ids, num_tokens, pick, schedule):
         from .modeling.candidate_generator import Draft, _pick_sequentially, draft_confidences
 
         start = input_ids.shape[1]

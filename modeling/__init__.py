@@ -11,6 +11,8 @@ importing a config loads no model, cache or target family.
 import importlib
 
 _PUBLIC_NAMES = {  # name -> the module that defines it; the drafters come through `drafting` (integration installed)
+    "DeepseekV4DSparkConfig": ".configuration_deepseek_v4_dspark",
+    "DeepseekV4DSparkForDrafting": ".drafting",
     "DeepseekV4MTPConfig": ".configuration_deepseek_v4_mtp",
     "DeepseekV4MTPForDrafting": ".drafting",
     "HyperDFlashConfig": ".configuration_hyperdflash",

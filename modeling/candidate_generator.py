@@ -2,13 +2,14 @@
 
 `SpeculativeCandidateGenerator` turns the features captured during the last verify forward into the
 drafter's context and asks a proposer for the next draft: `BlockProposer` (HyperDFlash, vanilla DFlash:
-one non-causal forward per block) or `MTPProposer` (native MTP: one step per drafted token).
+one non-causal forward per block), `MTPProposer` (native MTP: one step per drafted token) or `DSparkProposer`
+(DSpark: one forward per block, then its tokens left to right).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -60,6 +61,16 @@ def drafted_token_probabilities(logits: torch.Tensor, tokens: torch.LongTensor) 
     return logits.softmax(dim=-1).gather(-1, tokens[..., None].to(logits.device)).flatten().tolist()
 
 
+class StepSchedule(Protocol):
+    """What a proposer asks the step's schedule while it drafts (`SpeculativeCandidateGenerator`)."""
+
+    def keep_drafting(self, confidences: list[float], probabilities: list[float]) -> bool:
+        """A drafter that spends a forward per token: draft one more, after these drafts?"""
+
+    def verifies(self, confidences: list[float]) -> bool:
+        """Would the step verify every draft with these confidences (the last one's token not drawn yet)?"""
+
+
 @dataclass
 class Draft:
     """One proposal: the drafted tokens [1, k], the processed logits they were picked from [1, k, V], the drafter's
@@ -94,9 +105,9 @@ class BlockProposer:
         input_ids: torch.LongTensor,
         num_tokens: int,
         pick: TokenPicker,
-        keep_drafting: Callable[[list[float], list[float]], bool],
+        schedule: StepSchedule,
     ) -> Draft:
-        """The whole block in one forward (`keep_drafting` is for drafters that spend a forward per token)."""
+        """The whole block in one forward; the schedule then chooses how many drafts to verify."""
         device, dtype = self.drafter.device, self.drafter.dtype
         anchor_embeds = self.target.embed(input_ids[:, -1:])
         anchor_position = torch.full((1, 1), input_ids.shape[1] - 1, device=device)
@@ -143,10 +154,10 @@ class MTPProposer:
         input_ids: torch.LongTensor,
         num_tokens: int,
         pick: TokenPicker,
-        keep_drafting: Callable[[list[float], list[float]], bool],
+        schedule: StepSchedule,
     ) -> Draft:
-        """Up to `num_tokens` drafts, one step each, stopping once `keep_drafting(confidences, token probabilities
-        so far)` says so."""
+        """Up to `num_tokens` drafts, one step each, stopping once `schedule.keep_drafting(confidences, token
+        probabilities so far)` says so."""
         # Residual at position i pairs with the token at i + 1 (the newest one is the anchor).
         logits, residual = self._step(input_ids[:, positions[0] + 1], features, positions + 1)
         candidates, all_logits, confidences, probabilities = input_ids, [], [], []
@@ -156,13 +167,64 @@ class MTPProposer:
             all_logits.append(processed)
             confidences += draft_confidences(processed[:, None])
             probabilities += drafted_token_probabilities(processed[:, None], token)
-            if len(all_logits) == num_tokens or not keep_drafting(confidences, probabilities):
+            if len(all_logits) == num_tokens or not schedule.keep_drafting(confidences, probabilities):
                 break
             next_position = torch.full((1, 1), candidates.shape[1] - 1, device=input_ids.device)
             logits, residual = self._step(token, residual, next_position)
         depth = len(all_logits)
         self.cache.crop(-(depth - 1))  # the deeper steps saw unverified tokens; keep only real context
         return Draft(candidates[:, input_ids.shape[1] :], torch.stack(all_logits, dim=1), confidences, depth)
+
+
+class DSparkProposer:
+    """DSpark: one forward gives the block's hidden states; each token, its Markov bias from the token before and
+    its confidence follow left to right. Before a token is drawn the schedule decides from the confidences so far,
+    this one's included (each depends on earlier tokens only), whether it is verified: what decides whether a draft
+    is verified is known before it is drawn, so speculative sampling stays exact."""
+
+    def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget):
+        self.drafter, self.target = drafter, target
+        self.context = drafter.make_context()
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return list(self.drafter.config.dspark_target_layer_ids)
+
+    def propose(
+        self,
+        features: torch.Tensor,
+        positions: torch.LongTensor,
+        input_ids: torch.LongTensor,
+        num_tokens: int,
+        pick: TokenPicker,
+        schedule: StepSchedule,
+    ) -> Draft:
+        config, device = self.drafter.config, self.drafter.device
+        anchor = input_ids[:, -1:]
+        noise = anchor.new_full((1, config.dspark_block_size - 1), config.dspark_noise_token_id)
+        embeds = self.target.embed(torch.cat([anchor, noise], dim=-1))
+        dtype = activation_dtype(self.drafter.main_proj, embeds.dtype)
+        start = input_ids.shape[1] - 1  # the anchor's position; the context ends just before it
+        out = self.drafter(
+            block_embeds=embeds.to(device, dtype),
+            block_position_ids=torch.arange(start, start + config.dspark_block_size, device=device)[None],
+            context_features=features.to(device, dtype),
+            context_position_ids=positions.to(device),
+            context=self.context,
+        )
+        logits = self.target.logits(out.last_hidden_state[:, :num_tokens]).float().to(input_ids.device)
+        candidates, processed, confidences, previous = input_ids, [], [], anchor
+        for k in range(num_tokens):
+            bias, markov_embedding = self.drafter.markov(previous.to(device))
+            confidence = self.drafter.confidence(out.residual[:, k : k + 1], markov_embedding)
+            if not schedule.verifies([*confidences, float(confidence)]):
+                break
+            confidences.append(float(confidence))
+            previous, row = pick(candidates, logits[:, k] + bias[:, 0].to(logits.device))
+            candidates = torch.cat([candidates, previous], dim=-1)
+            processed.append(row)
+        rows = torch.stack(processed, dim=1) if processed else logits[:, :0]
+        return Draft(candidates[:, input_ids.shape[1] :], rows, confidences, drafter_forwards=1)
 
 
 def _pick_sequentially(
@@ -195,7 +257,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
     def __init__(
         self,
         *,
-        proposer: BlockProposer | MTPProposer,
+        proposer: BlockProposer | MTPProposer | DSparkProposer,
         capture: FeatureCapture,
         prompt_length: int,
         max_length: int,
@@ -232,7 +294,10 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         self.last_proposed = self.last_accepted = self.drafter_forwards = 0
         self.is_decoding_step = decoding  # the prefill is no decoding step: the policy does not learn from it
 
-    def _keep_drafting(self, confidences: list[float], probabilities: list[float]) -> bool:
+    def verifies(self, confidences: list[float]) -> bool:
+        return self.policy.choose(confidences) == len(confidences)
+
+    def keep_drafting(self, confidences: list[float], probabilities: list[float]) -> bool:
         """A sequential drafter drafts one more token while the schedule, and the confidence threshold, agree."""
         if self.threshold is not None and not self.threshold.keep_drafting(probabilities):
             return False
@@ -271,11 +336,9 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         context = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1)
         self.pending = []
         positions = torch.arange(input_ids.shape[1] - 1 - context.shape[1], input_ids.shape[1] - 1)[None]
-        draft = self.proposer.propose(
-            context, positions.to(input_ids.device), input_ids, num_tokens, self.pick, self._keep_drafting
-        )
+        draft = self.proposer.propose(context, positions.to(input_ids.device), input_ids, num_tokens, self.pick, self)
         self.confidences, self.drafter_forwards = draft.confidences, draft.drafter_forwards
-        self.last_proposed = self.policy.choose(self.confidences)
+        self.last_proposed = min(self.policy.choose(self.confidences), draft.tokens.shape[1])
         if self.threshold is not None:
             self.token_probabilities = draft.token_probabilities[: self.last_proposed]
             self.last_proposed = self.threshold.cut(self.token_probabilities)

@@ -3,7 +3,7 @@
 from transformers import DeepseekV4Config
 
 from .draft_options import MTP_DRAFTER_TYPE
-from .target_fingerprint import target_fingerprint
+from .target_fingerprint import TARGET_ONLY_FIELDS, target_fingerprint
 
 
 class DeepseekV4MTPConfig(DeepseekV4Config):
@@ -29,17 +29,7 @@ class DeepseekV4MTPConfig(DeepseekV4Config):
 
     @classmethod
     def from_target_config(cls, target_config: DeepseekV4Config) -> "DeepseekV4MTPConfig":
-        settings = target_config.to_dict()
-        for key in (
-            "model_type",
-            "architectures",
-            "transformers_version",
-            "auto_map",
-            "layer_types",
-            "mlp_layer_types",
-            "quantization_config",  # a drafter's own, set where it is loaded quantized (`release_weights.py`)
-        ):
-            settings.pop(key, None)
+        settings = {key: value for key, value in target_config.to_dict().items() if key not in TARGET_ONLY_FIELDS}
         settings["num_hidden_layers"] = 1
         settings["target_name_or_path"] = target_config.name_or_path or None
         settings["target_fingerprint"] = target_fingerprint(target_config)

@@ -8,7 +8,9 @@ and `heuristic_transient` starts afresh.
 
 BLOCK_DRAFTER_TYPE = "hyperdflash"  # HyperDFlash and vanilla DFlash: one forward drafts a block
 MTP_DRAFTER_TYPE = "deepseek_v4_mtp"  # DeepSeek-V4's native MTP module: one forward per drafted token
-DRAFTER_TYPES = (BLOCK_DRAFTER_TYPE, MTP_DRAFTER_TYPE)
+# DeepSeek's DSpark for V4: one forward drafts a block; a Markov bias and a confidence per token, left to right
+DSPARK_DRAFTER_TYPE = "deepseek_v4_dspark"
+DRAFTER_TYPES = (BLOCK_DRAFTER_TYPE, MTP_DRAFTER_TYPE, DSPARK_DRAFTER_TYPE)
 
 # Each step verifies the drafts with the most expected tokens per unit of cost, and drafting waits where it does not
 # pay, by a cost model fixed for the call (DRAFT_COSTS_BY_DEVICE) and the tokens alone: a seeded call repeats.
@@ -24,15 +26,18 @@ DEFAULT_SCHEDULE = ADAPTIVE_SCHEDULE
 # one drafter forward with the step's bookkeeping (`draft_cost`) and each draft a verify forward carries besides the
 # token plain decoding feeds (`verify_cost`); a drafter's `generation_config.draft_cost` and `.verify_cost` override.
 # "cpu": the shipped pair on this project's CPU (`benchmarks/draft_costs.py`); "cuda" (any other accelerator too):
-# the block drafter on one H200 (`benchmarks/gpu.py`), native MTP not measured there (docs/results.md, "Draft costs").
+# the block drafter on one H200 (`benchmarks/gpu.py`), native MTP and DSpark not measured there (docs/results.md,
+# "Draft costs").
 DRAFT_COSTS_BY_DEVICE = {
     "cpu": {
         BLOCK_DRAFTER_TYPE: {"draft_cost": 0.49, "verify_cost": 0.09},
         MTP_DRAFTER_TYPE: {"draft_cost": 0.33, "verify_cost": 0.09},
+        DSPARK_DRAFTER_TYPE: {"draft_cost": 1.28, "verify_cost": 0.09},
     },
     "cuda": {
         BLOCK_DRAFTER_TYPE: {"draft_cost": 0.25, "verify_cost": 0.01},
         MTP_DRAFTER_TYPE: {"draft_cost": 0.25, "verify_cost": 0.01},
+        DSPARK_DRAFTER_TYPE: {"draft_cost": 0.25, "verify_cost": 0.01},
     },
 }
 

@@ -34,6 +34,7 @@ from .draft_options import (
     ADAPTIVE_SCHEDULE,
     BLOCK_DRAFTER_TYPE,
     DRAFT_COSTS_BY_DEVICE,
+    DSPARK_DRAFTER_TYPE,
     HEURISTIC_SCHEDULE,
     HEURISTIC_TRANSIENT_SCHEDULE,
     MAX_MTP_DEPTH,
@@ -319,4 +320,8 @@ class CallSchedule:
 def _longest_heuristic_draft(drafter, num_draft_tokens: int) -> int:
     """How far the heuristic schedule may grow the draft: a block drafter's block, else `MAX_MTP_DEPTH`."""
     config = drafter.config
-    return config.block_size - 1 if config.model_type == BLOCK_DRAFTER_TYPE else max(num_draft_tokens, MAX_MTP_DEPTH)
+    if config.model_type == BLOCK_DRAFTER_TYPE:
+        return config.block_size - 1
+    if config.model_type == DSPARK_DRAFTER_TYPE:
+        return config.dspark_block_size
+    return max(num_draft_tokens, MAX_MTP_DEPTH)

@@ -28,8 +28,14 @@ import torch
 from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedModel
 
 from . import call_scope
-from .candidate_generator import BlockProposer, MTPProposer, SpeculativeCandidateGenerator, TokenPicker
-from .draft_options import BLOCK_DRAFTER_TYPE, DRAFTER_TYPES
+from .candidate_generator import (
+    BlockProposer,
+    DSparkProposer,
+    MTPProposer,
+    SpeculativeCandidateGenerator,
+    TokenPicker,
+)
+from .draft_options import BLOCK_DRAFTER_TYPE, DRAFTER_TYPES, DSPARK_DRAFTER_TYPE
 from .draft_policy import CallSchedule
 from .generation_stats import GenerationStats, synchronized_clock
 from .indexer_ties import install_deterministic_indexer
@@ -201,6 +207,8 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     max_draft = schedule.policy.max_draft  # "heuristic" may grow past `draft_length`
     if drafter.config.model_type == BLOCK_DRAFTER_TYPE:
         proposer = BlockProposer(drafter, target)
+    elif drafter.config.model_type == DSPARK_DRAFTER_TYPE:
+        proposer = DSparkProposer(drafter, target)
     else:
         proposer = MTPProposer(drafter, target, max_draft)
     stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)

@@ -32,6 +32,13 @@ def drafter_description(config) -> dict[str, object]:
     """How the drafter drafts, as the rows of the card's table."""
     if config.model_type == "deepseek_v4_mtp":
         return {"kind": "native DeepSeek-V4 MTP module", "draft steps": "`num_assistant_tokens` (one block each)"}
+    if config.model_type == "deepseek_v4_dspark":
+        return {
+            "kind": "DSpark (DeepSeek's V4 block drafter)",
+            "block size": config.dspark_block_size,
+            "stages": config.num_hidden_layers,
+            "context": f"stream means of target layers {config.dspark_target_layer_ids}",
+        }
     if config.conditioning == "pre_collapse":
         context = "final pre-collapse mHC residual"
     else:

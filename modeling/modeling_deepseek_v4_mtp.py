@@ -31,7 +31,7 @@ from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
 from .draft_options import DEFAULT_MTP_DEPTH, DEFAULT_SCHEDULE
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
-from .release_weights import Release, drafter_from_release
+from .release_weights import MTP_TENSOR, drafter_from_release, open_release
 from .remote_code import RemoteCodeMixin
 from .strict_loading import StrictLoadingMixin
 from .target_base import activation_dtype
@@ -47,6 +47,22 @@ MTP_RENAMES = [
     WeightRenaming(r"^mtp\.0\.hc_head_(fn|base|scale)", r"hc_head.hc_\1"),
     WeightRenaming(r"^mtp\.0\.", ""),
 ]
+
+
+def check_deepseek_v4(target: PreTrainedModel, drafter: str) -> None:
+    if target.config.model_type != "deepseek_v4":
+        raise ValueError(
+            f"{drafter}; got a {target.config.model_type!r} target. Use `HyperDFlashForDrafting.from_target(target)` "
+            "for other mHC families."
+        )
+
+
+def started_from_target(drafter: PreTrainedModel, target: PreTrainedModel) -> PreTrainedModel:
+    """An untrained V4 drafter in the target's activation dtype, its collapse head and final norm the target's."""
+    drafter.to(dtype=activation_dtype(target.lm_head, target.get_input_embeddings().weight.dtype))
+    drafter.hc_head.load_state_dict(target.model.hc_head.state_dict())
+    drafter.norm.load_state_dict(target.model.norm.state_dict())
+    return drafter
 
 
 class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, DeepseekV4PreTrainedModel):
@@ -74,18 +90,11 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMix
     @classmethod
     def from_target(cls, target: PreTrainedModel, **overrides) -> "DeepseekV4MTPForDrafting":
         """An untrained MTP for `target` (a DeepSeek-V4); its collapse head and final norm start from the target's."""
-        if target.config.model_type != "deepseek_v4":
-            raise ValueError(
-                f"The native-MTP drafter is DeepSeek-V4's MTP block; got a {target.config.model_type!r} target. Use "
-                "`HyperDFlashForDrafting.from_target(target)` for other mHC families."
-            )
+        check_deepseek_v4(target, "The native-MTP drafter is DeepSeek-V4's MTP block")
         config = DeepseekV4MTPConfig.from_target_config(target.config)
         for key, value in overrides.items():
             setattr(config, key, value)
-        model = cls(config).to(dtype=activation_dtype(target.lm_head, target.get_input_embeddings().weight.dtype))
-        model.hc_head.load_state_dict(target.model.hc_head.state_dict())
-        model.norm.load_state_dict(target.model.norm.state_dict())
-        return model
+        return started_from_target(cls(config), target)
 
     @classmethod
     def from_target_checkpoint(
@@ -99,16 +108,8 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMix
         Hub repo id; only those tensors are read). FP8 and FP4 weights stay quantized where transformers' FP8 kernels
         run (a CUDA device of compute capability 8.9 or more) unless `dequantize=True`; elsewhere they are
         dequantized to `dtype`. `hub_options` go to the Hub download (`revision`, `token`, ...)."""
-        release = Release.open(name_or_path, **hub_options)
-        release.check_is_v4()
-        names = release.drafter_tensor_names()
-        if "mtp.0.e_proj.weight" not in names:
-            ships = "DSpark (`mtp.0.main_proj`)" if "mtp.0.main_proj.weight" in names else "no drafter (no `mtp.*`)"
-            raise ValueError(
-                f"{name_or_path} ships {ships}, not DeepSeek-V4's native MTP block (`mtp.0.e_proj`)."
-                + (" Load it with `DeepseekV4DSparkForDrafting.from_target_checkpoint`." if "DSpark" in ships else "")
-            )
-        if any(name.startswith("mtp.1.") for name in names):
+        release = open_release(name_or_path, MTP_TENSOR, **hub_options)
+        if any(name.startswith("mtp.1.") for name in release.drafter_tensor_names()):
             raise ValueError(f"{name_or_path} ships several MTP blocks; this drafter reads one (`mtp.0.*`).")
         config = DeepseekV4MTPConfig.from_target_config(release.target_config())
         config.target_name_or_path = str(name_or_path)

@@ -83,6 +83,31 @@ class Release:
         return tensors, list(files.values())
 
 
+MTP_TENSOR, DSPARK_TENSOR = "mtp.0.e_proj.weight", "mtp.0.main_proj.weight"
+# The tensor that tells which drafter a release ships -> (what it is, the class that reads it)
+SHIPPED_DRAFTERS = {
+    MTP_TENSOR: ("DeepSeek-V4's native MTP block", "DeepseekV4MTPForDrafting"),
+    DSPARK_TENSOR: ("DSpark", "DeepseekV4DSparkForDrafting"),
+}
+
+
+def open_release(name_or_path: str | os.PathLike, marker: str, **hub_options) -> Release:
+    """`name_or_path` as a DeepSeek-V4 release shipping the drafter whose tensor `marker` is (`SHIPPED_DRAFTERS`);
+    a one-line ValueError saying what it ships otherwise."""
+    release = Release.open(name_or_path, **hub_options)
+    release.check_is_v4()
+    names = release.drafter_tensor_names()
+    if marker not in names:
+        shipped = next((tensor for tensor in SHIPPED_DRAFTERS if tensor in names), None)
+        if shipped is None:
+            ships, hint = "no drafter (no `mtp.*`)", ""
+        else:
+            what, loader = SHIPPED_DRAFTERS[shipped]
+            ships, hint = f"{what} (`{shipped}`)", f" Load it with `{loader}.from_target_checkpoint`."
+        raise ValueError(f"{name_or_path} ships {ships}, not {SHIPPED_DRAFTERS[marker][0]} (`{marker}`).{hint}")
+    return release
+
+
 def is_deepseek_v4_release(path: str | os.PathLike) -> bool:
     """`path` is a local DeepSeek-V4 checkpoint (a target's folder, which may ship a drafter), not a drafter's."""
     config = Path(path) / "config.json"
@@ -130,12 +155,21 @@ def drafter_from_release(
         info, _ = convert_and_load_state_dict_in_model(drafter, tensors, load_config)
     finally:
         del files
-    problems = {"missing": sorted(info.missing_keys), "unexpected": sorted(info.unexpected_keys)}
-    problems = {kind: names for kind, names in problems.items() if names}
-    if problems or info.mismatched_keys or info.conversion_errors:
+    problems = {
+        "missing": sorted(info.missing_keys),
+        "unexpected": sorted(info.unexpected_keys),
+        "of another shape": sorted(info.mismatched_keys),
+        "not converted": sorted(info.conversion_errors),
+    }
+    said = [
+        f"{len(names)} {kind} ({', '.join(map(str, names[:3]))}{', ...' if len(names) > 3 else ''})"
+        for kind, names in problems.items()
+        if names
+    ]
+    if said:
         raise ValueError(
-            f"{release.name_or_path}: the drafter's weights do not load ({problems or ''}"
-            f"{sorted(info.mismatched_keys) or ''}{info.conversion_errors or ''}); a partial or altered checkpoint?"
+            f"{release.name_or_path}: the drafter's weights do not load: {'; '.join(said)}. A partial or altered "
+            "checkpoint?"
         )
     _cast_as_planned(drafter, dtype)
     # `save_pretrained` would write the release's names back; the drafter saves under its own, as any drafter does

@@ -10,7 +10,7 @@ import torch
 from transformers import Cache, GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
-from .draft_options import BLOCK_DRAFTER_TYPE, DEFAULT_MTP_DEPTH, MTP_DRAFTER_TYPE, SCHEDULES
+from .draft_options import BLOCK_DRAFTER_TYPE, DEFAULT_MTP_DEPTH, DSPARK_DRAFTER_TYPE, MTP_DRAFTER_TYPE, SCHEDULES
 from .target_base import HyperConnectionTarget
 from .target_fingerprint import target_fingerprint
 from .transformers_compat import cached_length
@@ -19,10 +19,15 @@ from .transformers_compat import cached_length
 def check_compatible(target: HyperConnectionTarget, drafter: PreTrainedModel) -> None:
     """Refuse a drafter of another width or kind; warn when it was built for another target of the same width."""
     config = drafter.config
-    if config.model_type == MTP_DRAFTER_TYPE and not target.has_native_mtp:
+    if config.model_type in (MTP_DRAFTER_TYPE, DSPARK_DRAFTER_TYPE) and not target.has_native_mtp:
+        kind = (
+            "native-MTP drafter is DeepSeek-V4's MTP block"
+            if config.model_type == MTP_DRAFTER_TYPE
+            else ("DSpark drafter is DeepSeek-V4's block drafter")
+        )
         raise ValueError(
-            f"The native-MTP drafter is DeepSeek-V4's MTP block; a {target.family} target has none. Use a HyperDFlash "
-            "drafter (`HyperDFlashForDrafting.from_target(target)`, then `hyperdflash train`)."
+            f"The {kind}; a {target.family} target has none. Use a HyperDFlash drafter "
+            "(`HyperDFlashForDrafting.from_target(target)`, then `hyperdflash train`)."
         )
     for name, expected in (
         ("hidden_size", target.hidden_size),
@@ -36,8 +41,8 @@ def check_compatible(target: HyperConnectionTarget, drafter: PreTrainedModel) ->
                 "Use the drafter trained for this target, or build one with "
                 "`HyperDFlashForDrafting.from_target(target)`."
             )
-    layer_ids = getattr(config, "target_layer_ids", None)
-    if config.model_type == BLOCK_DRAFTER_TYPE and config.conditioning == "intermediate":
+    layer_ids = getattr(config, "target_layer_ids", None) or getattr(config, "dspark_target_layer_ids", None)
+    if config.model_type == DSPARK_DRAFTER_TYPE or getattr(config, "conditioning", None) == "intermediate":
         bad = [i for i in layer_ids or [] if not 0 <= i < target.num_layers]
         if bad or not layer_ids:
             raise ValueError(
@@ -60,17 +65,21 @@ def num_draft_tokens(drafter: PreTrainedModel) -> int:
     """Draft length in transformers' convention, `drafter.generation_config.num_assistant_tokens`."""
     config = drafter.config
     num = getattr(getattr(drafter, "generation_config", None), "num_assistant_tokens", None)
+    most = {
+        BLOCK_DRAFTER_TYPE: getattr(config, "block_size", 0) - 1,
+        DSPARK_DRAFTER_TYPE: getattr(config, "dspark_block_size", 0),
+    }
     if num is None:
-        num = config.block_size - 1 if config.model_type == BLOCK_DRAFTER_TYPE else DEFAULT_MTP_DEPTH
+        num = most.get(config.model_type, DEFAULT_MTP_DEPTH)
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise ValueError(
             f"`drafter.generation_config.num_assistant_tokens` must be an integer >= 1, got {num!r}. To decode "
             "without drafting, call generate() without `assistant_model`."
         )
-    if config.model_type == BLOCK_DRAFTER_TYPE and num > config.block_size - 1:
+    if config.model_type in most and num > most[config.model_type]:
         raise ValueError(
-            f"`num_assistant_tokens`={num} exceeds what one block of size {config.block_size} can draft "
-            f"({config.block_size - 1}). Lower `drafter.generation_config.num_assistant_tokens`."
+            f"`num_assistant_tokens`={num} exceeds what one block of this drafter drafts ({most[config.model_type]}). "
+            "Lower `drafter.generation_config.num_assistant_tokens`."
         )
     return num
 

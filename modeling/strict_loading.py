@@ -13,13 +13,12 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 from transformers import GenerationConfig
 
-from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
-from .configuration_hyperdflash import HyperDFlashConfig
+from .draft_options import DRAFTER_TYPES
 
 LOAD_PROBLEMS = ("missing_keys", "unexpected_keys", "mismatched_keys")
 HUB_LOADING_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-DRAFTER_MODEL_TYPES = (HyperDFlashConfig.model_type, DeepseekV4MTPConfig.model_type)
+DRAFTER_MODEL_TYPES = DRAFTER_TYPES
 
 
 def local_folder(path: str | os.PathLike, what: str) -> Path | None:

@@ -27,6 +27,19 @@ FINGERPRINT_FIELDS = (
 )
 
 
+# Fields of a V4 target's config that describe the target, not a drafter built from it (a drafter's own
+# `quantization_config` is set where it is loaded quantized, `release_weights.py`)
+TARGET_ONLY_FIELDS = (
+    "model_type",
+    "architectures",
+    "transformers_version",
+    "auto_map",
+    "layer_types",
+    "mlp_layer_types",
+    "quantization_config",
+)
+
+
 def target_fingerprint(config: PretrainedConfig) -> str:
     """Equal architecture fields, equal fingerprints."""
     described = {name: getattr(config, name, None) for name in FINGERPRINT_FIELDS}

@@ -14,9 +14,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from hf_hyperdflash import DeepseekV4MTPForDrafting, reference
-from hf_hyperdflash.deepseek_checkpoint import mtp_tensors as release_mtp_tensors
-from hf_hyperdflash.deepseek_checkpoint import write_release
+from hf_hyperdflash import DeepseekV4DSparkForDrafting, DeepseekV4MTPForDrafting, reference
+from hf_hyperdflash.deepseek_checkpoint import dspark_config_fields, dspark_tensors, mtp_tensors, write_release
 from hf_hyperdflash.evaluation.harness import load_drafter
 from hf_hyperdflash.testing import DECODE_EVERY_PAIR, HUB_PROMPT, run_without_the_library
 
@@ -27,7 +26,7 @@ FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 def release(tmp_path_factory):
     target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32)
     mtp = DeepseekV4MTPForDrafting.from_pretrained(reference.mtp_path(), dtype=torch.float32)
-    return write_release(target, tmp_path_factory.mktemp("release"), release_mtp_tensors(mtp))
+    return write_release(target, tmp_path_factory.mktemp("release"), mtp_tensors(mtp))
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +46,12 @@ def released_tensors(folder) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def expected_mtp_layout(num_experts: int) -> dict[str, str]:
-    """Every `mtp.0.*` tensor of a V4 release and its dtype, as vLLM's `deepseek_v4_mtp.py` loader and DeepSeek's
-    `inference/model.py` (`MTPBlock`) read them: 39 + 6 per routed expert (1,575 for V4-Flash's 256 experts)."""
+def block_layout(num_experts: int) -> dict[str, str]:
+    """A released V4 block's tensors and dtypes, as vLLM's loaders (`deepseek_v4_mtp.py`, `nvidia/dspark.py`) and
+    DeepSeek's `inference/model.py` read them: 29 + 6 per routed expert."""
     layout = {"attn.attn_sink": "F32", "ffn.gate.bias": "F32", "ffn.gate.weight": "BF16"}
     layout |= {f"{norm}.weight": "BF16" for norm in ("attn.q_norm", "attn.kv_norm", "attn_norm", "ffn_norm")}
-    layout |= {f"{norm}.weight": "BF16" for norm in ("enorm", "hnorm", "norm")}
-    fp8 = [f"attn.{name}" for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")] + ["e_proj", "h_proj"]
+    fp8 = [f"attn.{name}" for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")]
     fp8 += [f"ffn.shared_experts.{w}" for w in ("w1", "w2", "w3")]
     layout |= {f"{linear}.weight": "F8_E4M3" for linear in fp8} | {f"{linear}.scale": "F8_E8M0" for linear in fp8}
     for expert in range(num_experts):
@@ -61,10 +59,34 @@ def expected_mtp_layout(num_experts: int) -> dict[str, str]:
             layout |= {f"ffn.experts.{expert}.{w}.weight": "I8", f"ffn.experts.{expert}.{w}.scale": "F8_E8M0"}
     for site in ("attn", "ffn"):
         layout |= {f"hc_{site}_{part}": "F32" for part in ("fn", "base", "scale")}
-    layout |= {f"hc_head_{part}": "F32" for part in ("fn", "base", "scale")}
+    return layout
+
+
+HEAD_LAYOUT = {"norm.weight": "BF16"} | {f"hc_head_{part}": "F32" for part in ("fn", "base", "scale")}
+
+
+def expected_mtp_layout(num_experts: int) -> dict[str, str]:
+    """`mtp.0.*` of a V4 release with native MTP: the block, `e_proj` / `h_proj` (FP8), `enorm` / `hnorm`, the final
+    norm and collapse head: 39 + 6 per routed expert (1,575 for V4-Flash's 256 experts)."""
+    layout = block_layout(num_experts) | HEAD_LAYOUT | {"enorm.weight": "BF16", "hnorm.weight": "BF16"}
+    layout |= {f"{linear}.{part}": dtype for linear in ("e_proj", "h_proj") for part, dtype in FP8_PARTS.items()}
     return {f"mtp.0.{name}": dtype for name, dtype in layout.items()}
 
 
+def expected_dspark_layout(num_experts: int, num_stages: int = 3) -> dict[str, str]:
+    """`mtp.{0,1,2}.*` of a V4 release with DSpark ("0731"): three blocks; `main_proj` (FP8) and `main_norm` on the
+    first; the final norm, collapse head, Markov head and confidence head (BF16) on the last (1,568 / 1,565 / 1,572
+    tensors for V4-Flash's 256 experts)."""
+    layout = {f"mtp.{i}.{name}": dtype for i in range(num_stages) for name, dtype in block_layout(num_experts).items()}
+    layout |= {f"mtp.0.main_proj.{part}": dtype for part, dtype in FP8_PARTS.items()} | {
+        "mtp.0.main_norm.weight": "BF16"
+    }
+    last = {"markov_head.markov_w1.weight": "BF16", "markov_head.markov_w2.weight": "BF16"}
+    last |= {"confidence_head.proj.weight": "BF16"} | HEAD_LAYOUT
+    return layout | {f"mtp.{num_stages - 1}.{name}": dtype for name, dtype in last.items()}
+
+
+FP8_PARTS = {"weight": "F8_E4M3", "scale": "F8_E8M0"}
 DTYPE_NAMES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e8m0fnu: "F8_E8M0",
@@ -146,13 +168,15 @@ def test_hyperdflash_eval_takes_a_release_as_its_mtp(release, released_pair):
 
 
 @pytest.mark.slow
-def test_the_saved_release_mtp_decodes_in_a_process_without_the_package(release, released_pair, tmp_path):
-    """Saved with `save_pretrained`, the MTP read from a release is an ordinary drafter: a process that cannot import
+@pytest.mark.parametrize("kind", ["mtp", "dspark"])
+def test_a_saved_release_drafter_decodes_in_a_process_without_the_package(request, kind, tmp_path):
+    """Saved with `save_pretrained`, a drafter read from a release is an ordinary drafter: a process that cannot import
     the package decodes with it through `trust_remote_code` alone, greedy as plain decoding, and samples."""
-    _, mtp = released_pair
-    mtp.save_pretrained(tmp_path / "mtp")
-    case = {"target": str(release), "target_class": "DeepseekV4ForCausalLM", "prompt": HUB_PROMPT}
-    case["drafters"] = [str(tmp_path / "mtp")]
+    folder = request.getfixturevalue("release" if kind == "mtp" else "dspark_release")
+    loader = DeepseekV4MTPForDrafting if kind == "mtp" else DeepseekV4DSparkForDrafting
+    loader.from_target_checkpoint(folder, dtype=torch.float32).save_pretrained(tmp_path / kind)
+    case = {"target": str(folder), "target_class": "DeepseekV4ForCausalLM", "prompt": HUB_PROMPT}
+    case["drafters"] = [str(tmp_path / kind)]
     *results, status = json.loads(
         run_without_the_library(tmp_path, DECODE_EVERY_PAIR, json.dumps([case])).splitlines()[-1]
     )
@@ -176,7 +200,7 @@ def _altered(release, tmp_path, config_changes=None, drop=()) -> str:
     [
         ("v4.1", "a 'deepseek_v41' checkpoint, not DeepSeek-V4"),
         ("no drafter", r"ships no drafter \(no `mtp\.\*`\)"),
-        ("partial", r"do not load \(\{'missing': \['block\.self_attn\.kv_proj\.weight'\]"),
+        ("partial", r"do not load: 1 missing \(block\.self_attn\.kv_proj\.weight\)"),
     ],
 )
 def test_a_release_without_a_loadable_mtp_is_refused_in_one_line(release, tmp_path, case, message):
@@ -189,4 +213,51 @@ def test_a_release_without_a_loadable_mtp_is_refused_in_one_line(release, tmp_pa
         drop = lambda name: name.startswith("mtp.0.attn.wkv.")  # noqa: E731
     with pytest.raises(ValueError, match=message) as error:
         DeepseekV4MTPForDrafting.from_target_checkpoint(_altered(release, tmp_path, changes, drop))
+    assert "\n" not in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def dspark_release(tmp_path_factory):
+    """The reference target with an untrained DSpark (3 stages on its last three layers, Markov rank 32)."""
+    target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32)
+    torch.manual_seed(0)
+    dspark = DeepseekV4DSparkForDrafting.from_target(target, dspark_noise_token_id=3, dspark_markov_rank=32)
+    folder = tmp_path_factory.mktemp("dspark_release")
+    return write_release(target, folder, dspark_tensors(dspark), dspark_config_fields(dspark))
+
+
+def test_the_dspark_release_holds_its_stages_and_heads_in_the_released_layout(dspark_release):
+    config = json.loads((dspark_release / "config.json").read_text())
+    assert config["dspark_block_size"] == 5 and config["dspark_target_layer_ids"] == [1, 2, 3]
+    tensors = released_tensors(dspark_release)
+    layout = {name: DTYPE_NAMES[tensor.dtype] for name, tensor in tensors.items()}
+    assert layout == expected_dspark_layout(config["n_routed_experts"])
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    assert tensors["mtp.2.markov_head.markov_w1.weight"].shape == (vocab, 32)
+    assert tensors["mtp.2.markov_head.markov_w2.weight"].shape == (vocab, 32)
+    assert tensors["mtp.2.confidence_head.proj.weight"].shape == (1, hidden + 32)
+    assert tensors["mtp.0.main_proj.weight"].shape == (hidden, 3 * hidden)
+
+
+def test_dspark_from_a_release_holds_its_values_and_decodes_as_plain_greedy(dspark_release):
+    target = AutoModelForCausalLM.from_pretrained(dspark_release, dtype=torch.float32).float().eval()
+    dspark = DeepseekV4DSparkForDrafting.from_target_checkpoint(dspark_release, dtype=torch.float32)
+    tensors = released_tensors(dspark_release)
+    assert torch.equal(dspark.main_proj.weight, dequantized(tensors, "mtp.0.main_proj"))
+    assert torch.equal(dspark.layers[2].self_attn.kv_proj.weight, dequantized(tensors, "mtp.2.attn.wkv"))
+    assert torch.equal(dspark.markov_w2.weight, tensors["mtp.2.markov_head.markov_w2.weight"].float())
+    assert torch.equal(dspark.confidence_head.weight, tensors["mtp.2.confidence_head.proj.weight"].float())
+    assert dspark.config.dspark_noise_token_id == 3 and dspark.config.num_hidden_layers == 3
+    dspark.generation_config.num_assistant_tokens_schedule = "constant"
+    _assert_lossless(target, dspark, _prompts(3))
+    assert set(dspark.last_generation_stats.proposed_per_step) >= {5}  # whole blocks: every row drafts
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dspark"])
+def test_each_loader_names_the_drafter_a_release_ships_instead(release, dspark_release, kind):
+    loader, other = (
+        (DeepseekV4MTPForDrafting, dspark_release) if kind == "mtp" else (DeepseekV4DSparkForDrafting, release)
+    )
+    with pytest.raises(ValueError, match="Load it with `DeepseekV4.*from_target_checkpoint`") as error:
+        loader.from_target_checkpoint(other)
     assert "\n" not in str(error.value)

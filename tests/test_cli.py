@@ -132,7 +132,7 @@ def path_mistakes(models: dict[str, Path], tmp_path: Path) -> dict[str, tuple[Pa
         "a target": (
             models["target"],
             f"{models['target']} holds a 'deepseek_v4' model, not a drafter (model_type one of ('hyperdflash', "
-            "'deepseek_v4_mtp')); pass the drafter's folder, not the target's.",
+            "'deepseek_v4_mtp', 'deepseek_v4_dspark')); pass the drafter's folder, not the target's.",
         ),
     }
 
@@ -150,6 +150,10 @@ def test_eval_names_the_wrong_drafter_or_mtp_path(models, tmp_path, capsys):
     for case, (path, message) in path_mistakes(models, tmp_path).items():
         line = run_cli(capsys, [*common, "--drafter", f"mine={path}"])
         assert line == f"hyperdflash eval: error: Drafter 'mine': {message}", case
+        if case == "a target":  # for --mtp, a V4 target is a release that may ship its MTP block: this one ships none
+            message = (
+                f"{path} ships no drafter (no `mtp.*`), not DeepSeek-V4's native MTP block (`mtp.0.e_proj.weight`)."
+            )
         line = run_cli(capsys, [*common, "--mtp", path])
         assert line == f"hyperdflash eval: error: Drafter 'mtp': {message}", case
     assert not (tmp_path / "out").exists()  # refused before any model loaded or report was written

@@ -81,7 +81,9 @@ def test_beam_search(target, drafter):
 def test_more_draft_tokens_than_a_block_holds(target, drafter):
     drafter.generation_config.num_assistant_tokens = drafter.config.block_size
     try:
-        with pytest.raises(ValueError, match="`num_assistant_tokens`=4 exceeds what one block of size 4 can draft"):
+        with pytest.raises(
+            ValueError, match=r"`num_assistant_tokens`=4 exceeds what one block of this drafter drafts \(3\)"
+        ):
             _speculative(target, drafter)
     finally:
         drafter.generation_config.num_assistant_tokens = drafter.config.block_size - 1

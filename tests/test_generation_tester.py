@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+from hf_hyperdflash import DeepseekV4DSparkForDrafting, DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 from hf_hyperdflash.testing import (
     OracleProposer,
@@ -242,7 +242,7 @@ FAMILY_BUILDERS = {
     "qwen4_exp_composite": tiny_qwen4_exp_composite,
 }
 DRAFTER_KINDS = {
-    "deepseek_v4": ("hyperdflash", "vanilla_dflash", "mtp", "prompt-lookup"),
+    "deepseek_v4": ("hyperdflash", "vanilla_dflash", "mtp", "dspark", "prompt-lookup"),
     "hy_v4": ("hyperdflash", "vanilla_dflash", "prompt-lookup"),
     "glm5_next": ("hyperdflash", "vanilla_dflash", "prompt-lookup"),
     "qwen4_exp": ("hyperdflash", "vanilla_dflash", "prompt-lookup"),
@@ -263,6 +263,8 @@ def drafting_arguments(target, kind: str, seed: int) -> dict:
     torch.manual_seed(seed)
     if kind == "mtp":
         drafter = DeepseekV4MTPForDrafting.from_target(target)
+    elif kind == "dspark":
+        drafter = DeepseekV4DSparkForDrafting.from_target(target, dspark_noise_token_id=3)
     else:
         dense = {"reducer": "dense", "conditioning": "intermediate"} if kind == "vanilla_dflash" else {}
         drafter = HyperDFlashForDrafting.from_target(target, block_size=4, **dense)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+from hf_hyperdflash import DeepseekV4DSparkForDrafting, DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.testing import OracleProposer, oracle_drafting
 
 PARITY_DOC = Path(__file__).parents[1] / "docs" / "generate_parity.md"
@@ -104,6 +104,7 @@ def drafters(target):
     drafters = {
         "hyperdflash": HyperDFlashForDrafting.from_target(target, block_size=6).eval(),
         "mtp": DeepseekV4MTPForDrafting.from_target(target).eval(),
+        "dspark": DeepseekV4DSparkForDrafting.from_target(target, dspark_noise_token_id=3).eval(),
     }
     # Whole drafts every step for the generate() options: how much the adaptive default verifies depends on the
     # machine's timings, and the options must meet accepted blocks. The schedules have their own rows.
@@ -121,7 +122,7 @@ def _sequences(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.sequences
 
 
-@pytest.mark.parametrize("kind", ["hyperdflash", "mtp"])
+@pytest.mark.parametrize("kind", ["hyperdflash", "mtp", "dspark"])
 @pytest.mark.parametrize("option", sorted(EXACT))
 def test_exact_option_gives_plain_decodings_output(target, drafters, plain, option, kind):
     kwargs = {"max_new_tokens": NEW, "do_sample": False} | EXACT[option](plain)
@@ -140,7 +141,7 @@ def test_exact_option_gives_plain_decodings_output(target, drafters, plain, opti
 @pytest.mark.parametrize(
     "sampling", [{"do_sample": False}, {"do_sample": True, "top_k": 1}], ids=["greedy", "top_k=1"]
 )
-@pytest.mark.parametrize("kind", ["hyperdflash", "mtp"])
+@pytest.mark.parametrize("kind", ["hyperdflash", "mtp", "dspark"])
 @pytest.mark.parametrize("option", sorted(DRAFTER_EXACT))
 def test_exact_drafter_option_gives_plain_decodings_output(target, drafters, plain, option, kind, sampling):
     drafter = drafters[kind]

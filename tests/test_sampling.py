@@ -24,7 +24,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
-from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+from hf_hyperdflash import DeepseekV4DSparkForDrafting, DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.modeling.draft_policy import AcceptanceCalibration, AdaptiveDraftPolicy, DraftCosts
 from hf_hyperdflash.testing import (
     OracleProposer,
@@ -105,12 +105,19 @@ def _repeated(name: str, value: torch.Tensor, prefixes: torch.LongTensor) -> tor
     return value.repeat(len(prefixes), *[1] * (value.dim() - 1))
 
 
-def drafter_for(target, kind: str) -> HyperDFlashForDrafting | DeepseekV4MTPForDrafting:
+def drafter_for(target, kind: str) -> HyperDFlashForDrafting | DeepseekV4MTPForDrafting | DeepseekV4DSparkForDrafting:
     """An untrained drafter that drafts every step ("constant"): under the default schedule, one whose drafts lose
     would verify few of them, which would then test plain sampling. The default schedule has its own tests below."""
     torch.manual_seed(1)
     if kind == "mtp":
         drafter = DeepseekV4MTPForDrafting.from_target(target).eval()
+    elif kind == "dspark":
+        drafter = DeepseekV4DSparkForDrafting.from_target(
+            target, num_hidden_layers=1, dspark_target_layer_ids=[0], dspark_markov_rank=4, dspark_noise_token_id=3
+        ).eval()
+        with torch.no_grad():  # a real Markov bias (untrained: ~0); confidences spread over (0, 1), not all ~0.5
+            drafter.markov_w2.weight.mul_(100.0)
+            drafter.confidence_head.weight.mul_(-2000.0)
     else:
         drafter = HyperDFlashForDrafting.from_target(target, block_size=3, num_hidden_layers=1).eval()
     drafter.generation_config.num_assistant_tokens_schedule = "constant"
@@ -163,8 +170,8 @@ def outcomes(accepted: list[int], proposed: list[int]) -> set[str]:
 
 @pytest.mark.parametrize(
     "kind, settings",
-    [("hyperdflash", {}), ("mtp", {"temperature": 1.3}), ("oracle", PROCESSED)],
-    ids=["untrained-hyperdflash", "mtp-temperature", "oracle-temperature-top_k"],
+    [("hyperdflash", {}), ("mtp", {"temperature": 1.3}), ("dspark", PROCESSED), ("oracle", PROCESSED)],
+    ids=["untrained-hyperdflash", "mtp-temperature", "dspark-temperature-top_k", "oracle-temperature-top_k"],
 )
 def test_speculative_samples_follow_the_target_distribution(target, kind, settings):
     probs = exact_distribution(target, settings)
@@ -178,19 +185,21 @@ def test_speculative_samples_follow_the_target_distribution(target, kind, settin
     assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"
 
 
-def test_adaptive_truncation_keeps_the_target_distribution(target, monkeypatch):
+@pytest.mark.parametrize("kind", ["hyperdflash", "dspark"])
+def test_adaptive_truncation_keeps_the_target_distribution(target, monkeypatch, kind):
     """The adaptive schedule verifies 0, 1 or 2 of the untrained drafter's drafts by its confidence at each position
     (each verified token costing 0.3 of a step; a steep confidence-to-acceptance map so that the choice varies; every
-    step drafts): sampling stays exact when the draft length depends on the drafter's distributions."""
+    step drafts): sampling stays exact when the draft length depends on the drafter's distributions (HyperDFlash:
+    its top probabilities; DSpark: its confidence head, fed the token before each position)."""
     monkeypatch.setattr(DraftCosts, "for_call", classmethod(lambda cls, *_: cls(draft_cost=0.0, verify_cost=0.3)))
     monkeypatch.setattr(AcceptanceCalibration, "probability", lambda self, c: min(max((c - 0.5) * 8, 0.0), 1.0))
     monkeypatch.setattr(AdaptiveDraftPolicy, "_pays", lambda self, steps: True)
     choices, choose = [], AdaptiveDraftPolicy.choose
     monkeypatch.setattr(AdaptiveDraftPolicy, "choose", lambda self, c: choices.append(choose(self, c)) or choices[-1])
     probs = exact_distribution(target, PROCESSED)
-    drafter = drafter_for(target, "hyperdflash")
+    drafter = drafter_for(target, kind)
     drafter.generation_config.num_assistant_tokens_schedule = "adaptive"
-    counts, _, _ = speculative_samples(target, "hyperdflash", PROCESSED, drafter=drafter)
+    counts, _, _ = speculative_samples(target, kind, PROCESSED, drafter=drafter)
     assert {0, 1, 2} <= set(choices) and min(Counter(choices).values()) > 100  # none, a truncated block, a whole one
     p_value = chi_square_p_value(counts, probs)
     assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"

@@ -14,7 +14,6 @@ from transformers import AutoTokenizer
 from .. import reference
 from ..command_errors import run_command
 from ..loading import check_target_path, check_tokenizer_path, load_target
-from ..modeling.release_weights import is_deepseek_v4_release
 from . import options
 from .datasets import load_prompt_set
 from .harness import build_methods, check_drafter, evaluate, reference_drafter_dirs, reference_mtp_dir
@@ -79,7 +78,7 @@ def run_eval(args: argparse.Namespace) -> int:
     target_path, tokenizer_path, mtp_dir, drafter_dirs = _models(args, notes)
     check_target_path(target_path)  # wrong paths fail now, in one line, not after the models and prompts load
     check_tokenizer_path(tokenizer_path)
-    if mtp_dir is not None and not is_deepseek_v4_release(mtp_dir):  # a release: the MTP block it ships
+    if mtp_dir is not None:
         check_drafter("mtp", mtp_dir)
     for name, path in drafter_dirs.items():
         check_drafter(name, path)

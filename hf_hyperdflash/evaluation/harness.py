@@ -22,7 +22,7 @@ from ..modeling.draft_options import DEFAULT_SCHEDULE
 from ..modeling.integration import check_compatible
 from ..modeling.modeling_deepseek_v4_mtp import DeepseekV4MTPForDrafting
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
-from ..modeling.release_weights import is_deepseek_v4_release
+from ..modeling.release_weights import MTP_TENSOR, is_deepseek_v4_release, open_release
 from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
 from ..modeling.targets import get_target_adapter
 from ..prompts import Messages
@@ -74,9 +74,13 @@ def reference_drafter_dirs(notes: list[str]) -> dict[str, Path]:
 
 
 def check_drafter(name: str, path: str | Path) -> None:
-    """A one-line ValueError naming the drafter for a path that holds no loadable drafter (check_drafter_path)."""
+    """A one-line ValueError naming the drafter for a path that holds no loadable drafter (check_drafter_path), or,
+    for native MTP, a DeepSeek-V4 release that ships none."""
     try:
-        check_drafter_path(path)
+        if name == "mtp" and is_deepseek_v4_release(path):
+            open_release(path, MTP_TENSOR)
+        else:
+            check_drafter_path(path)
     except ValueError as error:
         raise ValueError(f"Drafter {name!r}: {error}") from error
 
@@ -85,10 +89,10 @@ def load_drafter(name: str, path: str | Path, target: PreTrainedModel, dtype: to
     """A saved drafter (HyperDFlash, vanilla DFlash or native MTP), or the MTP block a DeepSeek-V4 release ships
     (`path` the target's own checkpoint), next to the target's head, checked against it."""
     device = target.get_output_embeddings().weight.device
+    check_drafter(name, path)
     if name == "mtp" and is_deepseek_v4_release(path):
         drafter = DeepseekV4MTPForDrafting.from_target_checkpoint(path, dtype=dtype).to(device)
     else:
-        check_drafter(name, path)
         try:
             drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
         except OSError as error:  # a Hub id (or a relative path shaped like one) that could not be fetched
