@@ -6,8 +6,10 @@ parameters, three shards and an index; the MTP block under `mtp.0.*`. The target
 own `from_pretrained` (its FP8 quantizer dequantizes on this CPU), the MTP with `from_target_checkpoint`.
 """
 
+import argparse
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +18,12 @@ from transformers import AutoModelForCausalLM
 
 from hf_hyperdflash import DeepseekV4DSparkForDrafting, DeepseekV4MTPForDrafting, reference
 from hf_hyperdflash.deepseek_checkpoint import dspark_config_fields, dspark_tensors, mtp_tensors, write_release
+from hf_hyperdflash.evaluation import command as eval_command
 from hf_hyperdflash.evaluation.harness import load_drafter
+from hf_hyperdflash.evaluation.report import REPORT_FILES
 from hf_hyperdflash.testing import DECODE_EVERY_PAIR, HUB_PROMPT, run_without_the_library
 
+FIXTURES = Path(__file__).parent / "fixtures"
 FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
@@ -261,3 +266,17 @@ def test_each_loader_names_the_drafter_a_release_ships_instead(release, dspark_r
     with pytest.raises(ValueError, match="Load it with `DeepseekV4.*from_target_checkpoint`") as error:
         loader.from_target_checkpoint(other)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_hyperdflash_eval_runs_a_releases_drafters_beside_plain_decoding(release, dspark_release, tmp_path, capsys):
+    """`--mtp` and `--dspark` take releases (the target's checkpoint): both rows run, every greedy output lossless."""
+    argv = ["--target", str(dspark_release), "--tokenizer", str(reference.tokenizer_path())]
+    argv += ["--mtp", str(release), "--mtp-steps", "2", "--dspark", str(dspark_release), "--no-reference-drafters"]
+    argv += ["--datasets", f"gsm8k={FIXTURES / 'gsm8k.jsonl'}", "--num-prompts", "2", "--max-prompt-chars", "60"]
+    argv += ["--max-new-tokens", "8", "--repeats", "1", "--temperatures", "0", "--output-dir", str(tmp_path)]
+    args = eval_command.add_eval_arguments(argparse.ArgumentParser()).parse_args(argv)
+    assert eval_command.run_eval(args) == 0
+    data = json.loads((tmp_path / REPORT_FILES["json"]).read_text())
+    assert data["run"]["methods"] == ["plain", "mtp-k2", "dspark"]
+    assert all(m["lossless"] == m["compared"] == 2 for s in data["settings"] for m in s["methods"])

@@ -47,6 +47,8 @@ def _models(args: argparse.Namespace, notes: list[str]) -> tuple[str, str, Path 
     with_reference = shipped_target if args.reference_drafters is None else args.reference_drafters
     drafters = reference_drafter_dirs(notes) if with_reference else {}
     drafters |= {name: Path(path) for name, path in args.drafter}
+    if args.dspark:
+        drafters["dspark"] = Path(args.dspark)
     return target, args.tokenizer or tokenizer, mtp, drafters
 
 

@@ -20,9 +20,10 @@ from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 from .. import reference
 from ..modeling.draft_options import DEFAULT_SCHEDULE
 from ..modeling.integration import check_compatible
+from ..modeling.modeling_deepseek_v4_dspark import DeepseekV4DSparkForDrafting
 from ..modeling.modeling_deepseek_v4_mtp import DeepseekV4MTPForDrafting
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
-from ..modeling.release_weights import MTP_TENSOR, is_deepseek_v4_release, open_release
+from ..modeling.release_weights import DSPARK_TENSOR, MTP_TENSOR, is_deepseek_v4_release, open_release
 from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
 from ..modeling.targets import get_target_adapter
 from ..prompts import Messages
@@ -73,12 +74,23 @@ def reference_drafter_dirs(notes: list[str]) -> dict[str, Path]:
     return {kind: path for kind, path in paths.items() if path is not None}
 
 
+# Methods that may come from a DeepSeek-V4 release (the target's checkpoint): the drafter's marking tensor, its class
+RELEASE_DRAFTERS = {
+    "mtp": (MTP_TENSOR, DeepseekV4MTPForDrafting),
+    "dspark": (DSPARK_TENSOR, DeepseekV4DSparkForDrafting),
+}
+
+
+def _from_release(name: str, path: str | Path) -> bool:
+    return name in RELEASE_DRAFTERS and is_deepseek_v4_release(path)
+
+
 def check_drafter(name: str, path: str | Path) -> None:
     """A one-line ValueError naming the drafter for a path that holds no loadable drafter (check_drafter_path), or,
-    for native MTP, a DeepSeek-V4 release that ships none."""
+    for native MTP and DSpark, a DeepSeek-V4 release that ships none."""
     try:
-        if name == "mtp" and is_deepseek_v4_release(path):
-            open_release(path, MTP_TENSOR)
+        if _from_release(name, path):
+            open_release(path, RELEASE_DRAFTERS[name][0])
         else:
             check_drafter_path(path)
     except ValueError as error:
@@ -86,12 +98,12 @@ def check_drafter(name: str, path: str | Path) -> None:
 
 
 def load_drafter(name: str, path: str | Path, target: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
-    """A saved drafter (HyperDFlash, vanilla DFlash or native MTP), or the MTP block a DeepSeek-V4 release ships
-    (`path` the target's own checkpoint), next to the target's head, checked against it."""
+    """A saved drafter (HyperDFlash, vanilla DFlash, native MTP or DSpark), or the native MTP or DSpark drafter a
+    DeepSeek-V4 release ships (`path` the target's own checkpoint), next to the target's head, checked against it."""
     device = target.get_output_embeddings().weight.device
     check_drafter(name, path)
-    if name == "mtp" and is_deepseek_v4_release(path):
-        drafter = DeepseekV4MTPForDrafting.from_target_checkpoint(path, dtype=dtype).to(device)
+    if _from_release(name, path):
+        drafter = RELEASE_DRAFTERS[name][1].from_target_checkpoint(path, dtype=dtype).to(device)
     else:
         try:
             drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()

@@ -99,6 +99,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "ships), or 'none'. Default (auto): the shipped one with the shipped target.",
     )
     models.add_argument(
+        "--dspark",
+        help="DSpark: a DeepSeek-V4 release that ships it (the target's checkpoint) or a saved DSpark drafter; one "
+        "more method, named dspark.",
+    )
+    models.add_argument(
         "--mtp-steps",
         type=_positive_int,
         nargs="+",
