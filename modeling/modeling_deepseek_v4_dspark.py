@@ -178,20 +178,25 @@ class DeepseekV4DSparkForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCode
         block_position_ids: torch.LongTensor,
         context_features: torch.Tensor,
         context_position_ids: torch.LongTensor,
-        context: DSparkContext,
+        context: DSparkContext | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> DrafterOutput:
         """block_embeds `[B, K, D]` (the target's embedding of anchor and noise tokens); context_features the target
         layer outputs `[B, S, layers * hc, D]` at the verified positions new since the last call (S may be 0);
-        returns the block's pre-norm hidden states (`residual`, what the confidence head reads) and normed ones."""
+        returns the block's pre-norm hidden states (`residual`, what the confidence head reads) and normed ones.
+
+        Drafting passes `context`, which keeps each stage's last `sliding_window` keys; training passes none, every
+        block of a sequence at once (`block_embeds` `[B, blocks * K, D]`) and the `attention_mask` that shows each
+        block its own window of the context and its own rows."""
         block_rope = {"main": self.rotary_emb(block_embeds, position_ids=block_position_ids, layer_type="main")}
         if context_features.shape[1]:
             main_x = self.context_features(context_features)
             context_rope = self.rotary_emb(main_x, position_ids=context_position_ids, layer_type="main")
         streams = block_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for i, stage in enumerate(self.layers):
-            new_keys = stage.self_attn.context_keys(main_x, context_rope) if context_features.shape[1] else None
-            keys = context.extend(i, new_keys) if new_keys is not None else context.keys[i]
+            keys = stage.self_attn.context_keys(main_x, context_rope) if context_features.shape[1] else None
+            if context is not None:
+                keys = context.extend(i, keys) if keys is not None else context.keys[i]
             streams = stage(streams, position_embeddings=block_rope, context_keys=keys, attention_mask=attention_mask)
         hidden = self.hc_head(streams)
         return DrafterOutput(last_hidden_state=self.norm(hidden), residual=hidden, cache=context)
@@ -201,11 +206,14 @@ class DeepseekV4DSparkForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCode
         embedding = self.markov_w1(previous_ids)
         return nn.functional.linear(embedding.float(), self.markov_w2.weight.float()), embedding
 
-    def confidence(self, hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
-        """P(this draft is accepted | the ones before it were), from the pre-norm hidden state and the Markov
-        embedding of the previous token."""
+    def confidence_logit(self, hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
+        """The logit of P(this draft is accepted | the ones before it were), from the pre-norm hidden state and the
+        Markov embedding of the previous token."""
         features = torch.cat([hidden, markov_embedding.to(hidden.dtype)], dim=-1)
-        return torch.sigmoid(self.confidence_head(features.to(self.confidence_head.weight.dtype)).float()).squeeze(-1)
+        return self.confidence_head(features.to(self.confidence_head.weight.dtype)).float().squeeze(-1)
+
+    def confidence(self, hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.confidence_logit(hidden, markov_embedding))
 
 
 __all__ = ["DeepseekV4DSparkForDrafting"]

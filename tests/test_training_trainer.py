@@ -10,7 +10,7 @@ from safetensors import safe_open
 from transformers import AutoModel
 
 import hf_hyperdflash  # noqa: F401  (generate() integration for the tau evaluation)
-from hf_hyperdflash import HyperDFlashForDrafting
+from hf_hyperdflash import DeepseekV4DSparkForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.loading import load_target
 from hf_hyperdflash.testing import tiny_deepseek_v4
 from hf_hyperdflash.training.curves import read_log
@@ -194,3 +194,29 @@ def test_bitsandbytes_options_fail_clearly_when_unavailable(monkeypatch, tmp_pat
         load_target(tmp_path, "cpu", quantization="4bit")
     with pytest.raises(ValueError, match="must be one of"):
         load_target(tmp_path, "cpu", quantization="3bit")
+
+
+def test_dspark_trains_with_deepspecs_objective_and_its_confidence_learns_the_acceptance(tmp_path):
+    """DeepSpec's terms (CE, the L1 distance to the target, the confidence head against 1 - L1 / 2) fall on the
+    overfit set of a target with peaked next-token distributions (the stock init's are near uniform, nothing for
+    L1 to learn), and the trained drafter decodes: greedy as plain decoding."""
+    target = tiny_deepseek_v4(seed=0).requires_grad_(False)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20.0)
+    generator, examples = torch.Generator().manual_seed(0), []
+    for _ in range(4):
+        prompt = torch.randint(3, target.config.vocab_size, (1, PROMPT_LENGTH), generator=generator)
+        ids = target.generate(prompt, max_new_tokens=24, do_sample=False)[0]
+        examples.append({"input_ids": ids, "loss_mask": torch.arange(len(ids)) >= PROMPT_LENGTH})
+    torch.manual_seed(0)
+    drafter = DeepseekV4DSparkForDrafting.from_target(
+        target, num_hidden_layers=1, dspark_block_size=3, dspark_markov_rank=8, dspark_noise_token_id=3
+    )
+    train_drafter(drafter, target, examples, tmp_path, loop(total_steps=30, log_every=5), anchors_per_sequence=8)
+    train = [r for r in read_log(tmp_path / "log.jsonl") if "loss" in r]
+    assert {"loss", "ce", "l1", "confidence", "acc", "tau_forced"} <= set(train[0])
+    assert train[-1]["ce"] < train[0]["ce"] - 2 and train[-1]["l1"] < train[0]["l1"] - 0.2
+    assert train[-1]["confidence"] < train[0]["confidence"]
+    prompt = examples[0]["input_ids"][None, :PROMPT_LENGTH]
+    plain = target.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=drafter), plain)

@@ -77,9 +77,7 @@ def block_losses(
     """Loss terms and accuracies of drafter `logits` [batch, anchors, B-1, vocab] against `labels` [.., B-1].
 
     `teacher` [batch, anchors, kl_positions, vocab] holds the teacher logits of the first slots. Returns
-    "loss" (optimised), "ce", "kl", "acc" (all slots), "acc_1", "acc_2" and "tau_forced": the accepted length
-    (with the bonus token) each block would get if its labels were the target's greedy continuation, which
-    they are for greedy-generated data.
+    "loss" (optimised), "ce", "kl" and `accuracy_terms`.
     """
     valid = labels != IGNORE_INDEX
     log_q = logits.float().log_softmax(dim=-1)
@@ -92,13 +90,16 @@ def block_losses(
     kl_per_slot = F.kl_div(log_q[..., : config.kl_positions, :], log_p, log_target=True, reduction="none").sum(-1)
     kl = (kl_per_slot * kl_valid).sum() / kl_valid.sum().clamp(min=1)
 
+    return {"loss": ce + config.kl_weight * kl, "ce": ce, "kl": kl} | accuracy_terms(log_q, labels, valid)
+
+
+def accuracy_terms(log_q: torch.Tensor, labels: torch.LongTensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ "acc" (all slots), "acc_1", "acc_2" and "tau_forced": the accepted length (with the bonus token) each block
+    would get if its labels were the target's greedy continuation, which they are for greedy-generated data."""
     hits = (log_q.argmax(dim=-1) == labels) & valid
     blocks = valid[..., 0]
     leading_hits = hits.long().cumprod(dim=-1).sum(dim=-1)
     terms = {
-        "loss": ce + config.kl_weight * kl,
-        "ce": ce,
-        "kl": kl,
         "acc": hits.sum() / valid.sum().clamp(min=1),
         "tau_forced": 1 + (leading_hits * blocks).sum() / blocks.sum().clamp(min=1),
     }

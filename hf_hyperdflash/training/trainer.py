@@ -22,12 +22,14 @@ from transformers import (
 from ..loading import import_bitsandbytes
 from ..modeling.draft_options import CONSTANT_SCHEDULE
 from ..modeling.generation_stats import mean_accepted_length
+from ..modeling.modeling_deepseek_v4_dspark import DeepseekV4DSparkForDrafting
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting, special_token_ids
 from ..modeling.request_checks import check_compatible
 from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
 from .collator import BlockCollator
 from .curves import plot_curves
+from .dspark import DSparkWithFrozenTarget
 from .loop import EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
 from .losses import LossConfig, block_losses, teacher_logits
 
@@ -180,21 +182,25 @@ def train_drafter(
     accelerator: Accelerator | None = None,
     on_checkpoint: Callable[[int], None] | None = None,
 ) -> HyperDFlashForDrafting:
-    """Train `drafter` on `examples` (from `load_examples`) and return it as a plain drafter (LoRA merged).
+    """Train `drafter` on `examples` (from `load_examples`) and return it as a plain drafter (LoRA merged). A DSpark
+    drafter trains with DeepSpec's objective (`dspark.py`; `losses` is HyperDFlash's).
 
     `target` must sit on the accelerator's device. `run_dir` receives the checkpoint (resumed automatically),
     `log.jsonl` (every loss term, accuracies, lr, throughput, and `tau` on `eval_prompts` every
     `loop.eval_every` steps; also sent to the accelerator's trackers) and `curves.png`.
     """
     losses = losses or LossConfig()
-    block_size = drafter.config.block_size
-    if losses.kl_positions > block_size - 1:
-        raise ValueError(f"`kl_positions` ({losses.kl_positions}) exceeds the {block_size - 1} drafted slots.")
+    if isinstance(_draft_model(drafter), DeepseekV4DSparkForDrafting):  # DeepSpec's objective (`dspark.py`)
+        block_size, module = drafter.config.dspark_block_size + 1, DSparkWithFrozenTarget(drafter, target)
+    else:
+        block_size, module = drafter.config.block_size, DrafterWithFrozenTarget(drafter, target, losses)
+        if losses.kl_positions > block_size - 1:
+            raise ValueError(f"`kl_positions` ({losses.kl_positions}) exceeds the {block_size - 1} drafted slots.")
     pad_token_id = target.config.get_text_config().pad_token_id
     pad_token_id = pad_token_id if pad_token_id is not None else 0
     collate = BlockCollator(block_size, anchors_per_sequence, pad_token_id=pad_token_id, seed=loop.seed)
     module = run_training(
-        DrafterWithFrozenTarget(drafter, target, losses),
+        module,
         examples,
         collate,
         _batch_losses,
