@@ -166,6 +166,14 @@ def test_generate_with_the_released_mtp_on_fifty_prompts(released_pair):
     assert _assert_lossless(target, mtp, _prompts(50)) > 0
 
 
+@pytest.mark.slow
+def test_generate_with_the_released_dspark_on_fifty_prompts(dspark_release):
+    target = AutoModelForCausalLM.from_pretrained(dspark_release, dtype=torch.float32).float().eval()
+    dspark = DeepseekV4DSparkForDrafting.from_target_checkpoint(dspark_release, dtype=torch.float32)
+    dspark.generation_config.num_assistant_tokens_schedule = "constant"
+    _assert_lossless(target, dspark, _prompts(50))
+
+
 def test_hyperdflash_eval_takes_a_release_as_its_mtp(release, released_pair):
     target, mtp = released_pair
     loaded = load_drafter("mtp", release, target, torch.float32)
