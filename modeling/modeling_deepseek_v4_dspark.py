@@ -42,6 +42,7 @@ from .modeling_outputs import DrafterOutput
 from .release_weights import DSPARK_TENSOR, drafter_from_release, open_release
 from .remote_code import RemoteCodeMixin
 from .strict_loading import StrictLoadingMixin
+from .target_base import activation_dtype
 
 
 class DSparkContext:
@@ -170,7 +171,8 @@ class DeepseekV4DSparkForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCode
         """`[B, S, layers * hc, D]` target layer outputs (stacked on the stream axis) -> `main_x` `[B, S, D]`."""
         layers = len(self.config.dspark_target_layer_ids)
         means = layer_outputs.unflatten(2, (layers, -1)).mean(dim=3)
-        return self.main_norm(self.main_proj(means.flatten(2).to(self.main_proj.weight.dtype)))
+        # an FP8 projection (a release kept quantized) takes the activations' dtype
+        return self.main_norm(self.main_proj(means.flatten(2).to(activation_dtype(self.main_proj, means.dtype))))
 
     def forward(
         self,
