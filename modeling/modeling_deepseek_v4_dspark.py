@@ -17,8 +17,6 @@ in at run time. Sources: vLLM `vllm/models/deepseek_v4/nvidia/dspark.py`, DeepSe
 `deepseek-ai/DeepSpec` (`deepspec/modeling/dspark/`).
 """
 
-import os
-
 import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
@@ -39,7 +37,7 @@ from .draft_options import DEFAULT_SCHEDULE
 from .model_card import ModelCardMixin
 from .modeling_deepseek_v4_mtp import check_deepseek_v4, started_from_target
 from .modeling_outputs import DrafterOutput
-from .release_weights import DSPARK_TENSOR, drafter_from_release, open_release
+from .release_weights import DSPARK_TENSOR, Release, ReleaseLoadingMixin
 from .remote_code import RemoteCodeMixin
 from .strict_loading import StrictLoadingMixin
 from .target_base import activation_dtype
@@ -112,10 +110,13 @@ def dspark_renames(num_stages: int) -> list[WeightRenaming]:
     ]
 
 
-class DeepseekV4DSparkForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, DeepseekV4PreTrainedModel):
+class DeepseekV4DSparkForDrafting(
+    StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, ReleaseLoadingMixin, DeepseekV4PreTrainedModel
+):
     """Inherits V4's weight init, fp32-kept modules and no-split rules; it is not a generator itself."""
 
     config_class = DeepseekV4DSparkConfig
+    release_tensor = DSPARK_TENSOR
     _can_record_outputs = {}
 
     def __init__(self, config: DeepseekV4DSparkConfig):
@@ -143,26 +144,16 @@ class DeepseekV4DSparkForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCode
         return started_from_target(cls(DeepseekV4DSparkConfig.from_target_config(target.config, **dspark)), target)
 
     @classmethod
-    def from_target_checkpoint(
-        cls,
-        name_or_path: str | os.PathLike,
-        dequantize: bool | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        **hub_options,
-    ) -> "DeepseekV4DSparkForDrafting":
-        """The DSpark drafter a DeepSeek-V4 release ships (`mtp.{0,1,2}.*` with `mtp.0.main_proj` in the target's own
-        checkpoint, a local folder or a Hub repo id; only those tensors are read). Quantized weights as in
-        `DeepseekV4MTPForDrafting.from_target_checkpoint`."""
-        release = open_release(name_or_path, DSPARK_TENSOR, **hub_options)
+    def _release_config(cls, release: Release) -> tuple[DeepseekV4DSparkConfig, list[WeightRenaming]]:
+        """DSpark as a release ships it: `mtp.{0,1,2}.*` and the `dspark_*` fields (`from_target_checkpoint`)."""
         missing = [
             field for field in ("dspark_target_layer_ids", "dspark_noise_token_id") if field not in release.config
         ]
         if missing:
-            raise ValueError(f"{name_or_path} ships DSpark weights but its config.json lacks {missing}.")
+            raise ValueError(f"{release.name_or_path} ships DSpark weights but its config.json lacks {missing}.")
         num_stages = len({name.split(".")[1] for name in release.drafter_tensor_names()})
         config = DeepseekV4DSparkConfig.from_target_config(release.target_config(), num_hidden_layers=num_stages)
-        config.target_name_or_path = str(name_or_path)
-        return drafter_from_release(cls, config, release, dspark_renames(num_stages), dequantize, dtype)
+        return config, dspark_renames(num_stages)
 
     def make_context(self) -> DSparkContext:
         return DSparkContext(self.config.num_hidden_layers, self.config.sliding_window)

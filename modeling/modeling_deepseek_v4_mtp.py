@@ -12,8 +12,6 @@ Deeper drafts reuse the module on its own `residual'`. Embedding and `lm_head` a
 are passed in at run time, never stored here.
 """
 
-import os
-
 import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
@@ -31,7 +29,7 @@ from .configuration_deepseek_v4_mtp import DeepseekV4MTPConfig
 from .draft_options import DEFAULT_MTP_DEPTH, DEFAULT_SCHEDULE
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
-from .release_weights import MTP_TENSOR, drafter_from_release, open_release
+from .release_weights import MTP_TENSOR, Release, ReleaseLoadingMixin
 from .remote_code import RemoteCodeMixin
 from .strict_loading import StrictLoadingMixin
 from .target_base import activation_dtype
@@ -65,10 +63,13 @@ def started_from_target(drafter: PreTrainedModel, target: PreTrainedModel) -> Pr
     return drafter
 
 
-class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, DeepseekV4PreTrainedModel):
+class DeepseekV4MTPForDrafting(
+    StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, ReleaseLoadingMixin, DeepseekV4PreTrainedModel
+):
     """Inherits V4's weight init, fp32-kept modules and no-split rules; it is not a generator itself."""
 
     config_class = DeepseekV4MTPConfig
+    release_tensor = MTP_TENSOR
     _can_record_outputs = {}
 
     def __init__(self, config: DeepseekV4MTPConfig):
@@ -97,23 +98,11 @@ class DeepseekV4MTPForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMix
         return started_from_target(cls(config), target)
 
     @classmethod
-    def from_target_checkpoint(
-        cls,
-        name_or_path: str | os.PathLike,
-        dequantize: bool | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        **hub_options,
-    ) -> "DeepseekV4MTPForDrafting":
-        """The MTP block a DeepSeek-V4 release ships (`mtp.0.*` in the target's own checkpoint, a local folder or a
-        Hub repo id; only those tensors are read). FP8 and FP4 weights stay quantized where transformers' FP8 kernels
-        run (a CUDA device of compute capability 8.9 or more) unless `dequantize=True`; elsewhere they are
-        dequantized to `dtype`. `hub_options` go to the Hub download (`revision`, `token`, ...)."""
-        release = open_release(name_or_path, MTP_TENSOR, **hub_options)
+    def _release_config(cls, release: Release) -> tuple[DeepseekV4MTPConfig, list[WeightRenaming]]:
+        """The MTP block a release ships: `mtp.0.*` (`from_target_checkpoint`)."""
         if any(name.startswith("mtp.1.") for name in release.drafter_tensor_names()):
-            raise ValueError(f"{name_or_path} ships several MTP blocks; this drafter reads one (`mtp.0.*`).")
-        config = DeepseekV4MTPConfig.from_target_config(release.target_config())
-        config.target_name_or_path = str(name_or_path)
-        return drafter_from_release(cls, config, release, MTP_RENAMES, dequantize, dtype)
+            raise ValueError(f"{release.name_or_path} ships several MTP blocks; this drafter reads one (`mtp.0.*`).")
+        return DeepseekV4MTPConfig.from_target_config(release.target_config()), MTP_RENAMES
 
     def forward(
         self,

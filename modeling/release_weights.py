@@ -191,3 +191,28 @@ def _cast_as_planned(drafter: PreTrainedModel, dtype: torch.dtype) -> None:
             continue
         wanted = next((planned for pattern, planned in plan.items() if re.search(pattern, name)), dtype)
         parameter.data = parameter.data.to(wanted)
+
+
+class ReleaseLoadingMixin:
+    """`from_target_checkpoint` for a V4 drafter class: `release_tensor` marks its drafter in a release, and
+    `_release_config(release)` gives its config and the renames after transformers' V4 mapping (checking the release
+    further where it needs to)."""
+
+    release_tensor: str
+
+    @classmethod
+    def from_target_checkpoint(
+        cls,
+        name_or_path: str | os.PathLike,
+        dequantize: bool | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        **hub_options,
+    ) -> PreTrainedModel:
+        """The drafter a DeepSeek-V4 release ships, read from the target's own checkpoint (a local folder or a Hub
+        repo id; only its `mtp.*` tensors are read). FP8 and FP4 weights stay quantized where transformers' FP8
+        kernels run (a CUDA device of compute capability 8.9 or more) unless `dequantize=True`; elsewhere they are
+        dequantized to `dtype`. `hub_options` go to the Hub download (`revision`, `token`, ...)."""
+        release = open_release(name_or_path, cls.release_tensor, **hub_options)
+        config, renames = cls._release_config(release)
+        config.target_name_or_path = str(name_or_path)
+        return drafter_from_release(cls, config, release, renames, dequantize, dtype)
