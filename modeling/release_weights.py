@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,16 +72,16 @@ class Release:
     def target_config(self) -> DeepseekV4Config:
         return DeepseekV4Config.from_dict(self.config)
 
-    def lazy_tensors(self, names: list[str]) -> tuple[dict, list]:
-        """Lazy slices of `names` (read when loaded), and the open files to close after."""
-        files, tensors = {}, {}
+    def lazy_tensors(self, names: list[str], files: ExitStack) -> dict:
+        """Lazy slices of `names` (read when loaded); their shards stay open until `files` closes."""
+        opened, tensors = {}, {}
         for name in names:
             shard = self.weight_map[name]
-            if shard not in files:
+            if shard not in opened:
                 path = cached_file(self.name_or_path, shard, **self.hub_options)
-                files[shard] = safe_open(path, "pt")
-            tensors[name] = files[shard].get_slice(name)
-        return tensors, list(files.values())
+                opened[shard] = files.enter_context(safe_open(path, "pt"))
+            tensors[name] = opened[shard].get_slice(name)
+        return tensors
 
 
 MTP_TENSOR, DSPARK_TENSOR = "mtp.0.e_proj.weight", "mtp.0.main_proj.weight"
@@ -147,14 +148,12 @@ def drafter_from_release(
                 pre_quantized=True,
             )
         mapping = quantizer.update_weight_conversions(mapping, drafter) + quantizer.get_weight_conversions()
-    tensors, files = release.lazy_tensors(release.drafter_tensor_names())
     load_config = LoadStateDictConfig(
         weight_mapping=mapping, hf_quantizer=quantizer, dtype=dtype, dtype_plan=drafter._get_dtype_plan(dtype)
     )
-    try:
+    with ExitStack() as files:
+        tensors = release.lazy_tensors(release.drafter_tensor_names(), files)
         info, _ = convert_and_load_state_dict_in_model(drafter, tensors, load_config)
-    finally:
-        del files
     problems = {
         "missing": sorted(info.missing_keys),
         "unexpected": sorted(info.unexpected_keys),
