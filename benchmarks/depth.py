@@ -66,7 +66,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerBase
 
-from hf_hyperdflash import reference
+from hf_hyperdflash import DeepseekV4DSparkForDrafting, reference
 from hf_hyperdflash.evaluation import command as eval_command
 from hf_hyperdflash.evaluation.report import machine_description
 from hf_hyperdflash.loading import load_target
@@ -74,7 +74,6 @@ from hf_hyperdflash.modeling.draft_options import CONSTANT_SCHEDULE
 from hf_hyperdflash.modeling.generation_stats import synchronized_clock
 from hf_hyperdflash.modeling.modeling_hyperdflash import HyperDFlashForDrafting
 from hf_hyperdflash.prompts import load_prompts
-from hf_hyperdflash.reference import DRAFTER_KINDS
 from hf_hyperdflash.reference.build import TARGET_LOOP, export_bf16, render_for_training, train_language_model
 from hf_hyperdflash.reference.config import SEQUENCE_LENGTH, reference_target_config
 from hf_hyperdflash.sharegpt import Conversation, load_conversations
@@ -87,6 +86,7 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 # The reference drafters' settings as `hyperdflash train` resolves them (both kinds share all but the kind)
 RECIPE = {**train_options.DEFAULTS, **json.loads((CONFIGS / "reference_drafter_hyperdflash.json").read_text())}
 STAGES = ("data", "target", "replies", "drafters", "eval")
+KINDS = ("hyperdflash", "vanilla_dflash", "dspark")  # each trains by configs/reference_drafter_<kind>.json
 TOKENS_FILE, TRAIN_PROMPTS, EVAL_PROMPTS = "tokens.npz", "train_prompts.jsonl", "held_out_prompts.jsonl"
 
 
@@ -368,20 +368,54 @@ def train_arguments(out: Path, size: Size, kind: str, seed: int) -> list[str]:
     ]
 
 
-def run_trainings(out: Path, arguments: dict[str, list[str]], side_by_side: bool) -> dict[str, float]:
+def steps_done(run_dir: Path) -> int:
+    """The last step a training logged (0 before its first record)."""
+    log = run_dir / "log.jsonl"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def run_trainings(
+    out: Path,
+    arguments: dict[str, list[str]],
+    side_by_side: bool,
+    total_steps: int,
+    deadline: float | None = None,
+    expendable: str | None = None,
+) -> tuple[dict[str, float], list[str]]:
     """Run `hyperdflash train` once per drafter, each in its own process logging to work/<name>.log: one after the
-    other, or all at once when `side_by_side`; returns each one's seconds."""
+    other, or all at once when `side_by_side`; returns each one's seconds, and the names dropped.
+
+    Side by side with a `deadline` (seconds from the start), `expendable` is stopped as soon as the step rates
+    project any training past it, so that the others finish in the time left (a GPU lease has a hard limit); its
+    failure drops it too, where another's stops the run."""
     (out / "work").mkdir(parents=True, exist_ok=True)
-    running, seconds = {}, {}
+    running, seconds, dropped = {}, {}, []
+    first_seen: dict[str, tuple[float, int]] = {}  # name -> (time, step) at its first logged step
 
     def wait_for(name: str) -> None:
         process, log, start = running.pop(name)
         process.wait()
         log.close()
         seconds[name] = time.perf_counter() - start
-        if process.returncode:
+        if process.returncode and name == expendable and name not in dropped:
+            print(f"dropping {name}: its training failed; see {log.name}")
+            dropped.append(name)
+        elif process.returncode and name not in dropped:
             raise SystemExit(f"training {name} failed; see {log.name}")
 
+    def projected_end(name: str, now: float) -> float | None:
+        step = steps_done(out / "work" / name / "run")
+        if step and name not in first_seen:
+            first_seen[name] = (now, step)
+        if name not in first_seen or now - first_seen[name][0] < 30:  # rates settle over tens of steps
+            return None
+        seen_at, seen_step = first_seen[name]
+        if step <= seen_step:
+            return None
+        return now + (total_steps - step) * (now - seen_at) / (step - seen_step)
+
+    started = time.perf_counter()
     for name, argv in arguments.items():
         log = (out / "work" / f"{name}.log").open("w")
         print(f"$ hyperdflash train {shlex.join(argv)}  (log: {log.name})")
@@ -391,37 +425,53 @@ def run_trainings(out: Path, arguments: dict[str, list[str]], side_by_side: bool
         if not side_by_side:
             wait_for(name)
     while running:  # side by side: each one's time ends when it does
+        now = time.perf_counter()
+        ends = [projected_end(name, now) for name in running]
+        late = deadline and any(end and end - started > deadline for end in ends)
+        if expendable in running and expendable not in dropped and late:
+            print(f"dropping {expendable}: the step rates project past the {deadline:.0f} s deadline")
+            dropped.append(expendable)
+            running[expendable][0].terminate()
         finished = [name for name, (process, _, _) in running.items() if process.poll() is not None]
         for name in finished:
             wait_for(name)
         time.sleep(0 if finished else 1)
-    return seconds
+    return seconds, dropped
 
 
-def train_drafters(out: Path, size: Size, seeds: list[int], side_by_side: bool) -> tuple[dict, list[Path]]:
-    """Both drafter kinds per seed, each exported in bf16. Side by side (on a GPU, where these small trainings are
-    bound by kernel launches, not arithmetic) each trains in its own process at the same time."""
-    names = [(drafter_name(kind, seed), kind, seed) for seed in seeds for kind in DRAFTER_KINDS]
+def train_drafters(
+    out: Path, size: Size, kinds: list[str], seeds: list[int], side_by_side: bool, deadline: float | None = None
+) -> tuple[dict, list[Path]]:
+    """Each drafter kind per seed, each exported in bf16. Side by side (on a GPU, where these small trainings are
+    bound by kernel launches, not arithmetic) each trains in its own process at the same time; DSpark is dropped
+    if the step rates project a training past `deadline`."""
+    names = [(drafter_name(kind, seed), kind, seed) for seed in seeds for kind in kinds]
     arguments = {
         name: train_arguments(out, size, kind, seed)
         for name, kind, seed in names
         if not (out / f"drafter_{name}" / "config.json").exists()  # else trained by an earlier run
     }
-    seconds = run_trainings(out, arguments, side_by_side)
-    summary, written = {}, []
+    expendable = next((name for name in arguments if name.startswith("dspark")), None)
+    seconds, dropped = run_trainings(out, arguments, side_by_side, size.drafter_steps, deadline, expendable)
+    summary, written = {name: {"dropped_at_step": steps_done(out / "work" / name / "run")} for name in dropped}, []
     for name, argv in arguments.items():
+        if name in dropped:
+            continue
         trained = out / "work" / name / "drafter"
         exported = out / f"drafter_{name}"
-        export_bf16(HyperDFlashForDrafting, trained, exported)
+        is_dspark = name.startswith("dspark")
+        drafter_class = DeepseekV4DSparkForDrafting if is_dspark else HyperDFlashForDrafting
+        export_bf16(drafter_class, trained, exported)
         log = read_log(trained.parent / "run" / "log.jsonl")
         config = json.loads((exported / "config.json").read_text())
         summary[name] = {
             "command": f"hyperdflash train {shlex.join(argv)}",
             "seconds": seconds[name],
             "side_by_side": side_by_side,
-            "reducer": config["reducer"],
-            "conditioning": config["conditioning"],
-            "target_layer_ids": config.get("target_layer_ids"),
+            "parameters": drafter_class.from_pretrained(exported).num_parameters(),
+            "reducer": "main_proj" if is_dspark else config["reducer"],
+            "conditioning": "stream_mean" if is_dspark else config["conditioning"],
+            "target_layer_ids": config.get("dspark_target_layer_ids" if is_dspark else "target_layer_ids"),
             "final": log[-1],
             "log": log,  # the training curves
         }
@@ -429,15 +479,27 @@ def train_drafters(out: Path, size: Size, seeds: list[int], side_by_side: bool) 
     return summary, written
 
 
-def evaluate(models: Path, out: Path, size: Size, device: str, seeds: list[int]) -> tuple[dict, list[Path]]:
-    """`hyperdflash eval` of the drafters in `models` against its target: the paired HyperDFlash / vanilla DFlash
-    tau ratio per seed, and pooled over the seeds when there are several. Every step drafts the whole block (the
-    constant schedule, as for the 4-layer figures), so tau measures the drafters, not what the adaptive schedule
-    chooses from this machine's timings. Its files stay in work/: results.json and report.md take them in."""
-    names = [drafter_name(kind, seed) for seed in seeds for kind in DRAFTER_KINDS]
-    pairs = [tuple(f"{drafter_name(kind, seed)}-{CONSTANT_SCHEDULE}" for kind in DRAFTER_KINDS) for seed in seeds]
-    if len(seeds) > 1:
-        pairs.append(tuple("+".join(side) for side in zip(*pairs, strict=True)))
+def tau_ratios(kinds: list[str], seeds: list[int]) -> list[tuple[str, str]]:
+    """(numerator, denominator) methods: HyperDFlash over each other kind, per seed and, with several seeds, pooled."""
+    ratios = []
+    for other in kinds[1:]:
+        per_seed = [
+            tuple(f"{drafter_name(kind, seed)}-{CONSTANT_SCHEDULE}" for kind in (kinds[0], other)) for seed in seeds
+        ]
+        pooled = [tuple("+".join(side) for side in zip(*per_seed, strict=True))] if len(seeds) > 1 else []
+        ratios += per_seed + pooled
+    return ratios
+
+
+def evaluate(
+    models: Path, out: Path, size: Size, device: str, kinds: list[str], seeds: list[int]
+) -> tuple[dict, list[Path]]:
+    """`hyperdflash eval` of the drafters in `models` against its target: the paired tau ratio of HyperDFlash over
+    each other kind. Every step drafts the whole block (the constant schedule, as for the 4-layer figures), so tau
+    measures the drafters, not what the adaptive schedule chooses from this machine's timings. Its files stay in
+    work/: results.json and report.md take them in."""
+    names = [drafter_name(kind, seed) for seed in seeds for kind in kinds]
+    pairs = tau_ratios(kinds, seeds)
     argv = ["--output-dir", str(out / "work" / "eval"), "--target", str(models / "target")]
     argv += ["--tokenizer", str(reference.tokenizer_path()), "--mtp", "none", "--no-reference-drafters"]
     argv += [f"--drafter={name}={models / f'drafter_{name}'}" for name in names]
@@ -470,7 +532,7 @@ def finished(stage: str, out: Path) -> bool:
 
 def render_report(results: dict) -> str:
     """report.md: what each stage did and cost, then the evaluation's own report."""
-    lines = ["# Depth: HyperDFlash against vanilla DFlash on a deep target (benchmarks/depth.py)", ""]
+    lines = ["# Depth: HyperDFlash against vanilla DFlash and DSpark on a deep target (benchmarks/depth.py)", ""]
     target = results.get("target")
     if target:
         lines += [
@@ -484,12 +546,16 @@ def render_report(results: dict) -> str:
         ]
     drafters = results.get("drafters", {})
     if drafters:
-        lines += ["| drafter | reducer | conditioning | layers | final loss | seconds |", "|---|---|---|---|---|---|"]
+        lines += ["| drafter | parameters | reducer | conditioning | layers | final loss | seconds |"]
+        lines += ["|---|---|---|---|---|---|---|"]
         for name, drafter in drafters.items():
+            if "dropped_at_step" in drafter:
+                lines.append(f"| {name} | dropped at step {drafter['dropped_at_step']} (deadline) | | | | | |")
+                continue
             layers = drafter["target_layer_ids"] or "final pre-collapse residual"
             lines.append(
-                f"| {name} | {drafter['reducer']} | {drafter['conditioning']} | {layers} | "
-                f"{drafter['final']['loss']:.3f} | {drafter['seconds']:.0f} |"
+                f"| {name} | {drafter.get('parameters', 0):,} | {drafter['reducer']} | {drafter['conditioning']} | "
+                f"{layers} | {drafter['final']['loss']:.3f} | {drafter['seconds']:.0f} |"
             )
         lines.append("")
     lines += ["| stage | machine | estimate (s) | measured (s) |", "|---|---|---|---|"]
@@ -515,13 +581,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="all", help=f"comma-separated subset of {','.join(STAGES)}, or all")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu hides every GPU")
     parser.add_argument("--smoke", action="store_true", help="toy sizes: every stage in seconds on CPU")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="drafter seeds (each: both kinds)")
+    parser.add_argument(
+        "--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="drafter kinds (hyperdflash first in eval)"
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="drafter seeds (each: every kind)")
     parser.add_argument("--target-seconds", type=float, help=f"target training time (default {FULL.target_seconds:g})")
     parser.add_argument(
         "--drafter-steps", type=int, help=f"drafter steps (default: the recipe's {FULL.drafter_steps})"
     )
     parser.add_argument(
         "--side-by-side", action="store_true", help="train the drafters at the same time, one process each (GPU)"
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        help="side by side: seconds the drafters stage may take; DSpark is dropped if the step rates project past it",
     )
     parser.add_argument("--evaluate-only", type=Path, metavar="DIR", help="evaluate the models in DIR into --out")
     parser.add_argument("--copy-to", type=Path, help="copy each stage's files, results.json and report.md here")
@@ -555,8 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         "data": lambda: prepare_data(out, size),
         "target": lambda: train_target(out, size, args.device),
         "replies": lambda: generate_target_replies(out, size, args.device),
-        "drafters": lambda: train_drafters(out, size, args.seeds, args.side_by_side),
-        "eval": lambda: evaluate(models, out, size, args.device, args.seeds),
+        "drafters": lambda: train_drafters(out, size, args.kinds, args.seeds, args.side_by_side, args.deadline),
+        "eval": lambda: evaluate(models, out, size, args.device, args.kinds, args.seeds),
     }
     machine = machine_description()
     machine_name = machine["gpu"] if args.device == "cuda" else f"{machine['cpu']} ({torch.get_num_threads()} threads)"

@@ -22,7 +22,7 @@ from .curves import read_log
 from .data import generate_replies, load_examples
 from .loop import LoopConfig
 from .losses import LossConfig
-from .options import DEFAULTS, DRAFTER_KINDS, add_train_arguments, resolve_settings
+from .options import DEFAULTS, DRAFTER_KINDS, DSPARK, add_train_arguments, resolve_settings
 from .replies import load_replies
 from .telemetry import PROJECT, tracker_config, trackers
 from .trainer import build_drafter, optimizer_factory, train_drafter
@@ -35,14 +35,35 @@ def _drafter_overrides(settings: dict) -> dict:
     `build_drafter` can refuse them."""
     names = {"reducer": "reducer", "conditioning": "conditioning", "block_size": "block_size"}
     names |= {"num_hidden_layers": "num_layers", "target_layer_ids": "target_layer_ids", "kind": "drafter_kind"}
-    names["context_window"] = "context_window"
+    names |= {"context_window": "context_window", "markov_rank": "markov_rank"}
     given = {field: settings[name] for field, name in names.items() if settings[name] is not None}
+    if given.get("kind") == DSPARK:
+        return _dspark_overrides(given)
+    if "markov_rank" in given:
+        raise ValueError("--markov-rank sets DSpark's Markov head; pass it with --drafter-kind dspark, or drop it.")
     if given.get("context_window") == 0:
         given["context_window"] = None  # 0 asks for the whole context
     if settings["init_from"] is not None:
         return given
     reducer, conditioning = DRAFTER_KINDS[given.pop("kind", "hyperdflash")]
     return {"reducer": reducer, "conditioning": conditioning, **given}
+
+
+def _dspark_overrides(given: dict) -> dict:
+    """The options of a new DSpark drafter as its config fields (`DeepseekV4DSparkConfig`)."""
+    fields = {"kind": "kind", "num_hidden_layers": "num_hidden_layers", "target_layer_ids": "dspark_target_layer_ids"}
+    fields |= {"markov_rank": "dspark_markov_rank", "context_window": "sliding_window"}
+    refused = sorted(set(given) - set(fields) - {"block_size"})
+    if refused:
+        raise ValueError(f"{refused} do not apply to --drafter-kind dspark; drop them.")
+    if given.get("context_window") == 0:
+        raise ValueError("DSpark attends to a window of the context; pass a positive --context-window.")
+    overrides = {fields[name]: value for name, value in given.items() if name in fields}
+    if "block_size" in given:
+        if given["block_size"] < 2:
+            raise ValueError(f"--block-size {given['block_size']} leaves no draft; pass 2 or more (anchor included).")
+        overrides["dspark_block_size"] = given["block_size"] - 1  # rows: one draft each
+    return overrides
 
 
 def _loop_config(settings: dict) -> LoopConfig:

@@ -32,6 +32,7 @@ DRAFTER_KINDS = {  # kind -> (reducer, conditioning)
     "hyperdflash": ("inherited_gate", "pre_collapse"),
     "vanilla_dflash": ("dense", "intermediate"),
 }
+DSPARK = "dspark"  # DeepSeek's block drafter (DeepseekV4DSparkForDrafting), a kind of its own
 
 
 def _int_list(text: str) -> list[int]:
@@ -57,6 +58,7 @@ DEFAULTS = {
     "num_layers": None,
     "context_window": None,
     "target_layer_ids": None,
+    "markov_rank": None,
     "init_from": None,
     "lora_rank": 0,
     "lora_alpha": 16.0,
@@ -175,12 +177,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         drafter,
         "--drafter-kind",
         "hyperdflash (default): inherited HC-gate reducer on the final pre-collapse residual; "
-        "vanilla_dflash: dense reducer on intermediate target layers.",
-        choices=list(DRAFTER_KINDS),
+        "vanilla_dflash: dense reducer on intermediate target layers; dspark: DeepSeek's block drafter (DeepSeek-V4 "
+        "targets), trained with DeepSpec's objective, its stages as --num-layers.",
+        choices=[*DRAFTER_KINDS, DSPARK],
     )
     _option(drafter, "--reducer", "Override the kind's reducer.", choices=["inherited_gate", "dense"])
     _option(drafter, "--conditioning", "Override the kind's conditioning.", choices=["pre_collapse", "intermediate"])
-    _option(drafter, "--block-size", "Tokens per draft block, anchor included. Default: 16.", type=int)
+    _option(
+        drafter,
+        "--block-size",
+        "Tokens per draft block, anchor included, so block - 1 drafts per step (DSpark's rows; DeepSeek ships 5 "
+        "rows: 6 here). Default: 16 (DSpark: 6).",
+        type=int,
+    )
     _option(drafter, "--num-layers", "Number of draft layers. Default: 2.", type=int)
     _option(
         drafter,
@@ -193,8 +202,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _option(
         drafter,
         "--target-layer-ids",
-        "Comma-separated target layers for intermediate conditioning. Default: a DFlash-style spread.",
+        "Comma-separated target layers for intermediate conditioning. Default: a DFlash-style spread (DSpark: the "
+        "last three).",
         type=_int_list,
+    )
+    _option(
+        drafter,
+        "--markov-rank",
+        "DSpark: rank of the Markov head (the bias from the previous token). Default: hidden size / 16, DeepSeek's "
+        "ratio (256 at 4096).",
+        type=int,
     )
     _option(
         drafter,

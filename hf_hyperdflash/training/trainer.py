@@ -15,16 +15,15 @@ import torch
 from accelerate import Accelerator, PartialState
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from transformers import (
-    PreTrainedModel,
-)
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ..loading import import_bitsandbytes
-from ..modeling.draft_options import CONSTANT_SCHEDULE
+from ..modeling.draft_options import CONSTANT_SCHEDULE, DSPARK_DRAFTER_TYPE
 from ..modeling.generation_stats import mean_accepted_length
 from ..modeling.modeling_deepseek_v4_dspark import DeepseekV4DSparkForDrafting
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting, special_token_ids
 from ..modeling.request_checks import check_compatible
+from ..modeling.strict_loading import check_drafter_path
 from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
 from .collator import BlockCollator
@@ -32,6 +31,7 @@ from .curves import plot_curves
 from .dspark import DSparkWithFrozenTarget
 from .loop import EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
 from .losses import LossConfig, block_losses, teacher_logits
+from .options import DSPARK as DSPARK_KIND
 
 # The draft layers' projections (attention and SwiGLU); the reducer, norms and mask embedding stay frozen.
 LORA_TARGET_MODULES = r".*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
@@ -56,20 +56,29 @@ def build_drafter(
     lora_alpha: float = 16.0,
     lora_dropout: float = 0.0,
     **overrides,
-) -> HyperDFlashForDrafting | PeftModel:
-    """A new drafter for `target` (config `overrides`), or a saved one to fine-tune; with `lora_rank` > 0,
-    the saved drafter wrapped with LoRA adapters on its draft layers' projections."""
+) -> HyperDFlashForDrafting | DeepseekV4DSparkForDrafting | PeftModel:
+    """A new drafter for `target` (config `overrides`; `kind="dspark"` for DSpark), or a saved one to fine-tune;
+    with `lora_rank` > 0, the saved drafter wrapped with LoRA adapters on its draft layers' projections."""
     if init_from is None:
         if lora_rank:
             raise ValueError("LoRA fine-tunes an existing drafter: pass `init_from` (a saved drafter directory).")
+        if overrides.pop("kind", None) == DSPARK_KIND:
+            return new_dspark(target, **overrides)
         return HyperDFlashForDrafting.from_target(target, **overrides)
     if overrides:
         raise ValueError(
             f"Drafter settings {sorted(overrides)} only apply to a new drafter; `init_from` keeps the saved config."
         )
-    drafter = HyperDFlashForDrafting.from_pretrained(init_from, dtype=torch.float32)  # checks the path first
+    check_drafter_path(init_from)
+    is_dspark = PretrainedConfig.get_config_dict(init_from)[0].get("model_type") == DSPARK_DRAFTER_TYPE
+    if is_dspark and lora_rank:
+        raise ValueError("LoRA fine-tuning covers HyperDFlash and vanilla DFlash drafters; fine-tune DSpark fully.")
+    drafter_class = DeepseekV4DSparkForDrafting if is_dspark else HyperDFlashForDrafting
+    drafter = drafter_class.from_pretrained(init_from, dtype=torch.float32)
     adapter = get_target_adapter(target)
     check_compatible(adapter, drafter)
+    if is_dspark:
+        return drafter
     drafter.config.update(special_token_ids(adapter.config))  # a drafter saved before configs carried them
     if not lora_rank:
         return drafter
@@ -77,6 +86,15 @@ def build_drafter(
         r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=LORA_TARGET_MODULES
     )
     return get_peft_model(drafter, config)
+
+
+def new_dspark(target: PreTrainedModel, **dspark) -> DeepseekV4DSparkForDrafting:
+    """An untrained DSpark for `target` whose noise token is the target's padding token, and whose Markov rank is
+    DeepSeek's ratio to the hidden size (256 at 4096) unless `dspark` sets them."""
+    config = target.config.get_text_config()
+    dspark.setdefault("dspark_noise_token_id", config.pad_token_id or 0)
+    dspark.setdefault("dspark_markov_rank", max(config.hidden_size // 16, 1))
+    return DeepseekV4DSparkForDrafting.from_target(target, **dspark)
 
 
 def merge_lora(drafter: HyperDFlashForDrafting | PeftModel) -> HyperDFlashForDrafting:
