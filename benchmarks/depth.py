@@ -1,9 +1,10 @@
-"""The paper's question at depth: does HyperDFlash beat vanilla DFlash on a deep mHC target? One prepared experiment.
+"""The paper's question at depth: does HyperDFlash beat vanilla DFlash (and DSpark) on a deep mHC target?
 
     python benchmarks/depth.py --stages data --device cpu               # on CPU: tokens and prompts (30 s)
     python benchmarks/depth.py --stages target --copy-to $OUT           # GPU run 1, carrying runs/depth/data
-    python benchmarks/depth.py --stages replies,drafters --side-by-side --copy-to $OUT  # GPU run 2, carrying run 1's
-    python benchmarks/depth.py --stages eval --device cpu               # the evaluation, on CPU
+    python benchmarks/depth.py --stages replies --device cpu            # on CPU: the target's replies (4 minutes)
+    python benchmarks/depth.py --stages drafters --side-by-side --deadline 500 --copy-to $OUT  # GPU run 2
+    python benchmarks/depth.py --stages eval --device cpu               # the evaluation, on CPU (7 minutes)
     python benchmarks/depth.py --evaluate-only DIR --device cpu --out runs/depth_eval   # the same from DIR's weights
     python benchmarks/depth.py --device cpu --smoke --out /tmp/depth    # every stage at toy size (CI)
 
@@ -24,11 +25,12 @@ On the 4-layer reference target vanilla DFlash conditions on a layer two below t
 - replies: the target's own greedy replies to the 1,600 prompts (up to 128 tokens), as `hyperdflash train` makes
   them, 256 prompts per batch instead of 16 (left padding differs, which V4's compressors see, as in the recipe).
 - drafters: `hyperdflash train --config configs/reference_drafter_<kind>.json` on this target and those replies,
-  both kinds with the same steps and seed (vanilla DFlash's layers by DFlash's rule, `spread_target_layers`: 1 and
-  13 of 16). The recipe's tau probe during training is off: it changes no weight, and the evaluation measures tau.
+  every kind (`--kinds`: HyperDFlash, vanilla DFlash, DSpark) with the same steps and seed (vanilla DFlash's layers
+  by DFlash's rule, `spread_target_layers`: 1 and 13 of 16; DSpark's the last three). The recipe's tau probe during
+  training is off: it changes no weight, and the evaluation measures tau.
 - eval: `hyperdflash eval` on the 20 held-out prompts, T=0, fp32, every step drafting the whole block (the constant
   schedule, as for the 4-layer figures): tau, acceptance per position, the lossless check against plain decoding,
-  and the paired HyperDFlash / vanilla DFlash tau ratio with its bootstrap interval.
+  and the paired tau ratio of HyperDFlash over each other kind with its bootstrap interval.
 
 --out gets target/ and drafter_<name>/ (bf16 safetensors), replies/, data/, results.json (every stage's figures and
 training curves) and report.md; --out/work holds checkpoints and full-precision copies. --copy-to copies each stage's
@@ -36,14 +38,14 @@ files as it finishes, with results.json and report.md: at most 8 files per GPU r
 
 On the GPU machine each command starts with `source benchmarks/device_setup.sh` (transformers 5.24 and this package,
 from the wheels `bash benchmarks/device_setup.sh download` put in .whl/): run 1 carries .whl and runs/depth/data (the
-tree, about 34 MB, and 22 MB more); run 2 carries .whl, what run 1 returned (runs/depth/target, 14 MiB, and
-runs/depth/results.json) and runs/depth/data/train_prompts.jsonl: 62 MB of the 64 MiB a run may send.
+tree, about 34 MB, and 22 MB more); run 2 carries .whl, runs/depth/target (14 MiB), runs/depth/results.json,
+runs/depth/replies and runs/depth/data/train_prompts.jsonl: 63 MB of the 64 MiB a run may send.
 
 Time: this target is bound by kernel launches on an H200 (about 10,000 operations per forward), not by arithmetic,
-so `--side-by-side` trains the two drafters at once, one process each. Measured there (docs/results.md, "Depth"): the
-target 146 s at --target-seconds 135, replies 61-112 s, the drafters side by side about 6.5 minutes for the recipe's
-2,000 steps; with a machine's start, the whole GPU part needs about 14 minutes of device time. Decoding is no
-faster there than on 2 CPU cores, so the evaluation runs on CPU (about 4 minutes).
+so `--side-by-side` trains the drafters at once, one process each. Measured there (docs/results.md, "Depth"): the
+target 146 s at --target-seconds 135; the three drafters side by side 313-448 s for the recipe's 2,000 steps. A lease
+is 15 minutes with the machine's start, so the replies run on CPU and `--deadline` drops DSpark if the step rates
+project past it. Decoding is no faster there than on 2 CPU cores, so the evaluation runs on CPU.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 RECIPE = {**train_options.DEFAULTS, **json.loads((CONFIGS / "reference_drafter_hyperdflash.json").read_text())}
 STAGES = ("data", "target", "replies", "drafters", "eval")
 KINDS = ("hyperdflash", "vanilla_dflash", "dspark")  # each trains by configs/reference_drafter_<kind>.json
+RATE_SETTLE_SECONDS = 30  # a training's step rate is projected only after this long past its first logged step
 TOKENS_FILE, TRAIN_PROMPTS, EVAL_PROMPTS = "tokens.npz", "train_prompts.jsonl", "held_out_prompts.jsonl"
 
 
@@ -408,7 +411,7 @@ def run_trainings(
         step = steps_done(out / "work" / name / "run")
         if step and name not in first_seen:
             first_seen[name] = (now, step)
-        if name not in first_seen or now - first_seen[name][0] < 30:  # rates settle over tens of steps
+        if name not in first_seen or now - first_seen[name][0] < RATE_SETTLE_SECONDS:
             return None
         seen_at, seen_step = first_seen[name]
         if step <= seen_step:

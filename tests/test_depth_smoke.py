@@ -1,6 +1,6 @@
-"""benchmarks/depth.py at toy size, run the way the GPU plan runs it: the data here, run 1 (target) and run 2
-(replies, drafters) each returning what the device gives back (at most 8 files, 2 folders deep), then the evaluation
-on CPU from those files alone."""
+"""benchmarks/depth.py at toy size, run the way the GPU plan runs it: the data here, run 1 (target), the replies here,
+run 2 (the three drafters side by side) each returning what the device gives back (at most 8 files, 2 folders deep),
+then the evaluation on CPU from those files alone; and the deadline that drops DSpark to save the other two."""
 
 import importlib.util
 import json
@@ -38,7 +38,8 @@ def test_gpu_plan_at_toy_size_then_evaluation_from_the_returned_files(tmp_path, 
     common = ["--device", "cpu", "--smoke", "--out", str(out)]
     assert depth.main([*common, "--stages", "data"]) == 0
     assert depth.main([*common, "--stages", "target", "--copy-to", str(returned / "run1")]) == 0
-    run2 = ["--stages", "replies,drafters", "--side-by-side", "--copy-to", str(returned / "run2")]  # as on the GPU
+    assert depth.main([*common, "--stages", "replies"]) == 0
+    run2 = ["--stages", "drafters", "--side-by-side", "--deadline", "500", "--copy-to", str(returned / "run2")]
     assert depth.main([*common, *run2]) == 0
     for run in ("run1", "run2"):
         files = _files(returned / run)
@@ -60,18 +61,61 @@ def test_gpu_plan_at_toy_size_then_evaluation_from_the_returned_files(tmp_path, 
     assert target["held_out_perplexity"] > 1 and target["reference_4_layer_held_out_perplexity"] > 1
     assert results["drafters"]["vanilla_dflash"]["target_layer_ids"] == spread_target_layers(4, 2)
     assert results["drafters"]["hyperdflash"]["conditioning"] == "pre_collapse"
+    assert results["drafters"]["dspark"]["target_layer_ids"] == [1, 2, 3]  # the stream-mean of the last three
     assert [record["step"] for record in results["drafters"]["hyperdflash"]["log"]] == [1, 2, 3]  # the curves
     setting = results["eval"]["results"]["settings"][0]
     methods = {method["name"]: method for method in setting["methods"]}
-    for name in ("hyperdflash-constant", "vanilla_dflash-constant"):  # every step drafts the whole block
+    for name in ("hyperdflash-constant", "vanilla_dflash-constant", "dspark-constant"):  # whole blocks every step
         assert methods[name]["compared"] == methods[name]["lossless"] == 2
         assert 0 < len(methods[name]["acceptance_per_position"]) <= 7  # block 8, cut to the 8 new tokens left
         assert methods[name]["tau"] >= 1
-    (ratio,) = setting["tau_ratios"]
-    pair = ("hyperdflash-constant", "vanilla_dflash-constant")
-    assert (ratio["numerator"], ratio["denominator"], ratio["prompts"]) == (*pair, 2)
-    assert " / ".join(pair) in (evaluation / "report.md").read_text()
-    for folder in ("target", "drafter_hyperdflash", "drafter_vanilla_dflash"):
+    pairs = [("hyperdflash-constant", f"{other}-constant") for other in ("vanilla_dflash", "dspark")]
+    assert [(r["numerator"], r["denominator"], r["prompts"]) for r in setting["tau_ratios"]] == [
+        (*p, 2) for p in pairs
+    ]
+    assert all(" / ".join(pair) in (evaluation / "report.md").read_text() for pair in pairs)
+    for folder in ("target", "drafter_hyperdflash", "drafter_vanilla_dflash", "drafter_dspark"):
         with safe_open(weights / folder / "model.safetensors", "pt") as tensors:
-            dtypes = {tensors.get_slice(name).get_dtype() for name in tensors.keys()}
-        assert dtypes <= {"BF16", "I64", "I32"}, (folder, dtypes)  # integer buffers: the hash-MoE table
+            dtypes = {name: tensors.get_slice(name).get_dtype() for name in tensors.keys()}
+        # integer buffers: the hash-MoE table; F32: what V4 keeps in fp32 (DSpark's norms, collapse head, sinks)
+        wide = {name for name, dtype in dtypes.items() if dtype not in ("BF16", "I64", "I32")}
+        assert folder == "drafter_dspark" or not wide, (folder, wide)
+        assert {dtypes[name] for name in wide} <= {"F32"}
+
+
+def test_the_deadline_drops_dspark_so_the_others_finish(tmp_path, monkeypatch):
+    """Side by side with a deadline the step rates would pass, DSpark (slow here) is stopped and the others finish;
+    its failure would drop it too, without stopping them."""
+    depth = _depth(monkeypatch)
+    popen = depth.subprocess.Popen
+    pace = {"hyperdflash": 0.01, "dspark": 0.1}  # seconds per logged step: 1 s and 10 s for 100 steps
+
+    def fake_training(command, **kwargs):
+        out_dir = Path(command[command.index("--output-dir") + 1])
+        name = out_dir.name
+        script = (
+            "import json, pathlib, time\n"
+            f"run = pathlib.Path({str(out_dir / 'run')!r}); run.mkdir(parents=True, exist_ok=True)\n"
+            f"for step in range(1, 101):\n    time.sleep({pace[name]})\n"
+            "    with (run / 'log.jsonl').open('a') as log: log.write(json.dumps({'step': step}) + '\\n')\n"
+        )
+        if pace[name] is None:  # a training that fails
+            script = "raise SystemExit(1)"
+        return popen([sys.executable, "-c", script], **kwargs)
+
+    monkeypatch.setattr(depth.subprocess, "Popen", fake_training)
+    monkeypatch.setattr(depth, "RATE_SETTLE_SECONDS", 1)
+    arguments = {name: ["--output-dir", str(tmp_path / "work" / name)] for name in pace}
+    seconds, dropped = depth.run_trainings(tmp_path, arguments, True, 100, deadline=4, expendable="dspark")
+    assert dropped == ["dspark"] and set(seconds) == {"hyperdflash", "dspark"}
+    assert depth.steps_done(tmp_path / "work" / "hyperdflash" / "run") == 100
+    assert depth.steps_done(tmp_path / "work" / "dspark" / "run") < 100
+
+    pace["dspark"] = None
+    arguments = {name: ["--output-dir", str(tmp_path / "again" / name)] for name in pace}
+    assert depth.run_trainings(tmp_path, arguments, True, 100, deadline=4, expendable="dspark")[1] == ["dspark"]
+    assert depth.steps_done(tmp_path / "again" / "hyperdflash" / "run") == 100
+    pace["hyperdflash"] = None  # any other training that fails stops the run
+    arguments = {name: ["--output-dir", str(tmp_path / "third" / name)] for name in pace}
+    with pytest.raises(SystemExit, match="training hyperdflash failed"):
+        depth.run_trainings(tmp_path, arguments, True, 100, deadline=4, expendable="dspark")
