@@ -107,19 +107,22 @@ class BlockProposer:
         pick: TokenPicker,
         schedule: StepSchedule,
     ) -> Draft:
-        """The whole block in one forward; the schedule then chooses how many drafts to verify."""
+        """The whole block in one forward; the schedule then chooses how many drafts to verify (with DSpark's heads,
+        as DSparkProposer does)."""
         device, dtype = self.drafter.device, self.drafter.dtype
         anchor_embeds = self.target.embed(input_ids[:, -1:])
         anchor_position = torch.full((1, 1), input_ids.shape[1] - 1, device=device)
-        hidden = self.drafter(
+        out = self.drafter(
             anchor_embeds=anchor_embeds.to(device, dtype),
             target_hidden=features.to(device, dtype),
             context_position_ids=positions.to(device),
             anchor_position_ids=anchor_position,
             cache=self.cache,
-        ).last_hidden_state
-        logits = self.target.logits(hidden[:, 1 : 1 + num_tokens])
-        tokens, processed = _pick_sequentially(input_ids, logits.to(input_ids.device), pick)
+        )
+        logits = self.target.logits(out.last_hidden_state[:, 1 : 1 + num_tokens]).float().to(input_ids.device)
+        if self.drafter.config.markov_rank:  # DSpark's heads: drawn left to right, as DSpark drafts
+            return draw_with_heads(self.drafter, logits, out.residual[:, 1:], input_ids, pick, schedule)
+        tokens, processed = _pick_sequentially(input_ids, logits, pick)
         return Draft(tokens, processed, draft_confidences(processed), drafter_forwards=1)
 
 
@@ -177,10 +180,8 @@ class MTPProposer:
 
 
 class DSparkProposer:
-    """DSpark: one forward gives the block's hidden states; each token, its Markov bias from the token before and
-    its confidence follow left to right. Before a token is drawn the schedule decides from the confidences so far,
-    this one's included (each depends on earlier tokens only), whether it is verified: what decides whether a draft
-    is verified is known before it is drawn, so speculative sampling stays exact."""
+    """DSpark: one forward gives the block's hidden states; its tokens, each with its Markov bias and confidence,
+    follow left to right (`draw_with_heads`)."""
 
     def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget):
         self.drafter, self.target = drafter, target
@@ -213,18 +214,35 @@ class DSparkProposer:
             context=self.context,
         )
         logits = self.target.logits(out.last_hidden_state[:, :num_tokens]).float().to(input_ids.device)
-        candidates, processed, confidences, previous = input_ids, [], [], anchor
-        for k in range(num_tokens):
-            bias, markov_embedding = self.drafter.markov(previous.to(device))
-            confidence = self.drafter.confidence(out.residual[:, k : k + 1], markov_embedding)
-            if not schedule.verifies([*confidences, float(confidence)]):
-                break
-            confidences.append(float(confidence))
-            previous, row = pick(candidates, logits[:, k] + bias[:, 0].to(logits.device))
-            candidates = torch.cat([candidates, previous], dim=-1)
-            processed.append(row)
-        rows = torch.stack(processed, dim=1) if processed else logits[:, :0]
-        return Draft(candidates[:, input_ids.shape[1] :], rows, confidences, drafter_forwards=1)
+        return draw_with_heads(self.drafter, logits, out.residual, input_ids, pick, schedule)
+
+
+def draw_with_heads(
+    drafter: PreTrainedModel,
+    logits: torch.Tensor,
+    residual: torch.Tensor,
+    input_ids: torch.LongTensor,
+    pick: TokenPicker,
+    schedule: StepSchedule,
+) -> Draft:
+    """A block's tokens drawn left to right, each with the Markov bias of the token before it (the anchor for the
+    first), from the block's `logits` [1, k, V] and pre-norm hidden states `residual` [1, >= k, D]. Before a token is
+    drawn the schedule decides from the confidences so far, this one's included (each depends on earlier tokens
+    only), whether it is verified: what decides is known before the token is drawn, so speculative sampling stays
+    exact."""
+    device = residual.device
+    candidates, processed, confidences, previous = input_ids, [], [], input_ids[:, -1:]
+    for k in range(logits.shape[1]):
+        bias, markov_embedding = drafter.markov(previous.to(device))
+        confidence = float(drafter.confidence(residual[:, k : k + 1], markov_embedding))
+        if not schedule.verifies([*confidences, confidence]):
+            break
+        confidences.append(confidence)
+        previous, row = pick(candidates, logits[:, k] + bias[:, 0].to(logits.device))
+        candidates = torch.cat([candidates, previous], dim=-1)
+        processed.append(row)
+    rows = torch.stack(processed, dim=1) if processed else logits[:, :0]
+    return Draft(candidates[:, input_ids.shape[1] :], rows, confidences, drafter_forwards=1)
 
 
 def _pick_sequentially(

@@ -42,6 +42,9 @@ class HyperDFlashConfig(PreTrainedConfig):
         target_model_type (`str`): `model_type` of the target family's text config; it also picks the inherited
             gate's form (DeepSeek-V4's head, or Qwen4-Exp's gated residual).
         hc_lowrank (`int`, *optional*): rank of the inherited gate for Qwen4-Exp targets (the target's `hc_lowrank`).
+        markov_rank (`int`): > 0 adds DSpark's Markov and confidence heads (`draft_heads.py`) with a Markov bias of
+            this rank; drafts are then drawn left to right and the confidence head is the draft schedule's confidence
+            input. 0 (HyperDFlash, vanilla DFlash): none.
         context_window (`int`, *optional*): the drafter attends to (and caches) only the target positions within
             this many places before each anchor, so its per-step cost and cache stay bounded at long context; the same
             window applies in training. None keeps the whole context (what a config saved without the field was
@@ -75,6 +78,7 @@ class HyperDFlashConfig(PreTrainedConfig):
     target_layer_ids: list[int] | None = None
     target_model_type: str = "deepseek_v4"
     hc_lowrank: int | None = None
+    markov_rank: int = 0
     context_window: int | None = None
     target_name_or_path: str | None = None
     target_fingerprint: str | None = None
@@ -119,6 +123,10 @@ class HyperDFlashConfig(PreTrainedConfig):
                     f"`hc_lowrank` must be a positive integer for a {self.target_model_type} target's inherited gate, "
                     f"got {self.hc_lowrank!r}; `from_target` copies the target's."
                 )
+        if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 0:
+            raise ValueError(
+                f"`markov_rank` must be an integer >= 0 (0: no Markov or confidence head), got {self.markov_rank!r}."
+            )
         if not 0 <= self.attention_dropout < 1:
             raise ValueError(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout!r}.")
         self._check_target_layer_ids()

@@ -33,6 +33,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from .configuration_deepseek_v4_dspark import DeepseekV4DSparkConfig
+from .draft_heads import DraftHeadsMixin
 from .draft_options import DEFAULT_SCHEDULE
 from .model_card import ModelCardMixin
 from .modeling_deepseek_v4_mtp import check_deepseek_v4, started_from_target
@@ -111,7 +112,12 @@ def dspark_renames(num_stages: int) -> list[WeightRenaming]:
 
 
 class DeepseekV4DSparkForDrafting(
-    StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, ReleaseLoadingMixin, DeepseekV4PreTrainedModel
+    StrictLoadingMixin,
+    ModelCardMixin,
+    RemoteCodeMixin,
+    ReleaseLoadingMixin,
+    DraftHeadsMixin,
+    DeepseekV4PreTrainedModel,
 ):
     """Inherits V4's weight init, fp32-kept modules and no-split rules; it is not a generator itself."""
 
@@ -124,12 +130,12 @@ class DeepseekV4DSparkForDrafting(
         hidden, rank = config.hidden_size, config.dspark_markov_rank
         self.main_proj = nn.Linear(len(config.dspark_target_layer_ids) * hidden, hidden, bias=False)
         self.main_norm = DeepseekV4RMSNorm(hidden, eps=config.rms_norm_eps)
+        if config.dspark_conditioning == "pre_collapse":
+            self.context_hc_head = DeepseekV4HyperHead(config)  # in place of the stream-mean
         self.layers = nn.ModuleList(DSparkStage(config, i) for i in range(config.num_hidden_layers))
         self.hc_head = DeepseekV4HyperHead(config)
         self.norm = DeepseekV4RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.markov_w1 = nn.Embedding(config.vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, config.vocab_size, bias=False)
-        self.confidence_head = nn.Linear(hidden + rank, 1, bias=False)
+        self.add_draft_heads(hidden, config.vocab_size, rank)
         self.rotary_emb = DeepseekV4RotaryEmbedding(config)
         self.post_init()
         self.generation_config = GenerationConfig(
@@ -139,9 +145,13 @@ class DeepseekV4DSparkForDrafting(
     @classmethod
     def from_target(cls, target: PreTrainedModel, **dspark) -> "DeepseekV4DSparkForDrafting":
         """An untrained DSpark for `target` (a DeepSeek-V4); `dspark` sets the config's `dspark_*` fields and
-        `num_hidden_layers` (stages). Its collapse head and final norm start from the target's."""
+        `num_hidden_layers` (stages). Its collapse head and final norm start from the target's, and so does the
+        context gate of `pre_collapse` conditioning."""
         check_deepseek_v4(target, "DSpark is DeepSeek-V4's block drafter")
-        return started_from_target(cls(DeepseekV4DSparkConfig.from_target_config(target.config, **dspark)), target)
+        drafter = started_from_target(cls(DeepseekV4DSparkConfig.from_target_config(target.config, **dspark)), target)
+        if drafter.config.dspark_conditioning == "pre_collapse":
+            drafter.context_hc_head.load_state_dict(target.model.hc_head.state_dict())
+        return drafter
 
     @classmethod
     def _release_config(cls, release: Release) -> tuple[DeepseekV4DSparkConfig, list[WeightRenaming]]:
@@ -160,10 +170,13 @@ class DeepseekV4DSparkForDrafting(
 
     def context_features(self, layer_outputs: torch.Tensor) -> torch.Tensor:
         """`[B, S, layers * hc, D]` target layer outputs (stacked on the stream axis) -> `main_x` `[B, S, D]`."""
-        layers = len(self.config.dspark_target_layer_ids)
-        means = layer_outputs.unflatten(2, (layers, -1)).mean(dim=3)
+        if self.config.dspark_conditioning == "pre_collapse":
+            reduced = self.context_hc_head(layer_outputs)
+        else:
+            layers = len(self.config.dspark_target_layer_ids)
+            reduced = layer_outputs.unflatten(2, (layers, -1)).mean(dim=3).flatten(2)
         # an FP8 projection (a release kept quantized) takes the activations' dtype
-        return self.main_norm(self.main_proj(means.flatten(2).to(activation_dtype(self.main_proj, means.dtype))))
+        return self.main_norm(self.main_proj(reduced.to(activation_dtype(self.main_proj, reduced.dtype))))
 
     def forward(
         self,
@@ -193,20 +206,6 @@ class DeepseekV4DSparkForDrafting(
             streams = stage(streams, position_embeddings=block_rope, context_keys=keys, attention_mask=attention_mask)
         hidden = self.hc_head(streams)
         return DrafterOutput(last_hidden_state=self.norm(hidden), residual=hidden, cache=context)
-
-    def markov(self, previous_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Markov bias on the next token's logits `[.., V]` (fp32) and the previous token's low-rank embedding."""
-        embedding = self.markov_w1(previous_ids)
-        return nn.functional.linear(embedding.float(), self.markov_w2.weight.float()), embedding
-
-    def confidence_logit(self, hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
-        """The logit of P(this draft is accepted | the ones before it were), from the pre-norm hidden state and the
-        Markov embedding of the previous token."""
-        features = torch.cat([hidden, markov_embedding.to(hidden.dtype)], dim=-1)
-        return self.confidence_head(features.to(self.confidence_head.weight.dtype)).float().squeeze(-1)
-
-    def confidence(self, hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.confidence_logit(hidden, markov_embedding))
 
 
 __all__ = ["DeepseekV4DSparkForDrafting"]

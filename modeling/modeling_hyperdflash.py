@@ -22,6 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextGatedResidual, Qwen4ExpTextRMSNorm
 
 from .configuration_hyperdflash import GATED_RESIDUAL_TARGETS, TARGET_MODEL_TYPES, HyperDFlashConfig
+from .draft_heads import DraftHeadsMixin
 from .draft_options import DEFAULT_CONTEXT_WINDOW, DEFAULT_SCHEDULE
 from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
@@ -231,7 +232,7 @@ def drafter_config_for(target_config: PretrainedConfig, **overrides) -> HyperDFl
     return config
 
 
-class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, PreTrainedModel):
+class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin, DraftHeadsMixin, PreTrainedModel):
     """Drafts a block of `block_size - 1` tokens after each anchor in one non-causal forward.
 
     The conditioning residual is reduced to one vector per context position (`reducer`), normalised (`hidden_norm`)
@@ -252,6 +253,8 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin
         self.layers = nn.ModuleList(HyperDFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if config.markov_rank:
+            self.add_draft_heads(config.hidden_size, config.vocab_size, config.markov_rank)
         # Draft length in transformers' assistant convention; derived from the config, so it survives save/load.
         self.generation_config = GenerationConfig(
             num_assistant_tokens=config.block_size - 1, num_assistant_tokens_schedule=DEFAULT_SCHEDULE
@@ -346,7 +349,8 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin
 
         Returns:
             `DrafterOutput`: `last_hidden_state` `[batch, blocks * block_size, hidden]` after the final norm
-            (feed it to the target's `lm_head`), and `cache`.
+            (feed it to the target's `lm_head`), `residual`, the same before it (the confidence head's input), and
+            `cache`.
         """
         self._check_inputs(
             anchor_embeds, target_hidden, context_position_ids, anchor_position_ids, context_mask, cache
@@ -387,7 +391,7 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin
         }
         for layer in self.layers:
             hidden_states = layer(hidden_states, context, **attention_kwargs)
-        return DrafterOutput(last_hidden_state=self.norm(hidden_states), cache=cache)
+        return DrafterOutput(last_hidden_state=self.norm(hidden_states), residual=hidden_states, cache=cache)
 
 
 HyperDFlashForDrafting.register_for_auto_class("AutoModel")

@@ -1,4 +1,4 @@
-"""What a drafter forward returns (one class for both drafters, with transformers 5.24's field name `cache`)."""
+"""What a drafter forward returns (one class for every drafter, with transformers 5.24's field name `cache`)."""
 
 from dataclasses import dataclass
 
@@ -10,8 +10,9 @@ from transformers.utils import ModelOutput
 class DrafterOutput(ModelOutput):
     """`last_hidden_state` (final-normed) feeds the target's `lm_head`.
 
-    `residual` is the native MTP block's pre-collapse output, which feeds its next step (None for block drafters);
-    `cache` is the drafter's own cache, updated in place.
+    `residual` is the hidden state before the final norm: native MTP's pre-collapse output, which feeds its next step,
+    and the confidence head's input for DSpark and a HyperDFlash drafter with heads. `cache` is the drafter's own
+    cache, updated in place.
     """
 
     last_hidden_state: torch.Tensor | None = None

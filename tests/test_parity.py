@@ -98,11 +98,16 @@ REFUSED = {
 }
 
 
+KINDS = ["hyperdflash", "hyperdflash_heads", "mtp", "dspark"]
+
+
 @pytest.fixture(scope="module")
 def drafters(target):
     torch.manual_seed(1)
     drafters = {
         "hyperdflash": HyperDFlashForDrafting.from_target(target, block_size=6).eval(),
+        # DSpark's Markov and confidence heads on HyperDFlash: drafts drawn left to right, as DSpark's
+        "hyperdflash_heads": HyperDFlashForDrafting.from_target(target, block_size=6, markov_rank=8).eval(),
         "mtp": DeepseekV4MTPForDrafting.from_target(target).eval(),
         "dspark": DeepseekV4DSparkForDrafting.from_target(target, dspark_noise_token_id=3).eval(),
     }
@@ -122,7 +127,7 @@ def _sequences(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.sequences
 
 
-@pytest.mark.parametrize("kind", ["hyperdflash", "mtp", "dspark"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("option", sorted(EXACT))
 def test_exact_option_gives_plain_decodings_output(target, drafters, plain, option, kind):
     kwargs = {"max_new_tokens": NEW, "do_sample": False} | EXACT[option](plain)
@@ -141,7 +146,7 @@ def test_exact_option_gives_plain_decodings_output(target, drafters, plain, opti
 @pytest.mark.parametrize(
     "sampling", [{"do_sample": False}, {"do_sample": True, "top_k": 1}], ids=["greedy", "top_k=1"]
 )
-@pytest.mark.parametrize("kind", ["hyperdflash", "mtp", "dspark"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("option", sorted(DRAFTER_EXACT))
 def test_exact_drafter_option_gives_plain_decodings_output(target, drafters, plain, option, kind, sampling):
     drafter = drafters[kind]

@@ -115,11 +115,13 @@ def drafter_for(target, kind: str) -> HyperDFlashForDrafting | DeepseekV4MTPForD
         drafter = DeepseekV4DSparkForDrafting.from_target(
             target, num_hidden_layers=1, dspark_target_layer_ids=[0], dspark_markov_rank=4, dspark_noise_token_id=3
         ).eval()
+    else:  # "hyperdflash", or "hyperdflash_heads" with DSpark's Markov and confidence heads
+        heads = {"markov_rank": 4} if kind == "hyperdflash_heads" else {}
+        drafter = HyperDFlashForDrafting.from_target(target, block_size=3, num_hidden_layers=1, **heads).eval()
+    if kind in ("dspark", "hyperdflash_heads"):
         with torch.no_grad():  # a real Markov bias (untrained: ~0); confidences spread over (0, 1), not all ~0.5
             drafter.markov_w2.weight.mul_(100.0)
             drafter.confidence_head.weight.mul_(-2000.0)
-    else:
-        drafter = HyperDFlashForDrafting.from_target(target, block_size=3, num_hidden_layers=1).eval()
     drafter.generation_config.num_assistant_tokens_schedule = "constant"
     return drafter
 
@@ -185,12 +187,13 @@ def test_speculative_samples_follow_the_target_distribution(target, kind, settin
     assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"
 
 
-@pytest.mark.parametrize("kind", ["hyperdflash", "dspark"])
+@pytest.mark.parametrize("kind", ["hyperdflash", "dspark", "hyperdflash_heads"])
 def test_adaptive_truncation_keeps_the_target_distribution(target, monkeypatch, kind):
     """The adaptive schedule verifies 0, 1 or 2 of the untrained drafter's drafts by its confidence at each position
     (each verified token costing 0.3 of a step; a steep confidence-to-acceptance map so that the choice varies; every
     step drafts): sampling stays exact when the draft length depends on the drafter's distributions (HyperDFlash:
-    its top probabilities; DSpark: its confidence head, fed the token before each position)."""
+    its top probabilities; DSpark and HyperDFlash with DSpark's heads: the confidence head, fed the token before each
+    position, with the Markov bias on each draft)."""
     monkeypatch.setattr(DraftCosts, "for_call", classmethod(lambda cls, *_: cls(draft_cost=0.0, verify_cost=0.3)))
     monkeypatch.setattr(AcceptanceCalibration, "probability", lambda self, c: min(max((c - 0.5) * 8, 0.0), 1.0))
     monkeypatch.setattr(AdaptiveDraftPolicy, "_pays", lambda self, steps: True)

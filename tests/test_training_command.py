@@ -8,7 +8,7 @@ import pytest
 from accelerate.state import AcceleratorState
 from transformers import AutoModel, AutoTokenizer
 
-from hf_hyperdflash import reference
+from hf_hyperdflash import DeepseekV4DSparkForDrafting, HyperDFlashForDrafting, reference
 from hf_hyperdflash.testing import tiny_deepseek_v4
 from hf_hyperdflash.training.command import (
     DEFAULTS,
@@ -18,6 +18,7 @@ from hf_hyperdflash.training.command import (
     run_train,
 )
 from hf_hyperdflash.training.curves import read_log
+from hf_hyperdflash.training.trainer import build_drafter
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -55,6 +56,10 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
     "sampled_replies": {"temperature", "data_dir"},
     # the reference drafter's 2,000 steps, so that it compares with the shipped drafter
     "distill_all_positions": {"kl_weight", "kl_positions", "teacher", "total_steps"},
+    # against DSpark, at the reference drafter's 2,000 steps too (configs/reference_drafter_dspark.json: block 8)
+    "dspark_block5": {"drafter_kind", "block_size", "total_steps"},
+    "dspark_pre_collapse": {"drafter_kind", "conditioning", "total_steps"},
+    "hyperdflash_heads": {"markov_rank", "total_steps"},
 }
 
 
@@ -75,6 +80,33 @@ def test_every_option_has_a_flag_and_help():
     actions = {action.dest: action for action in parser._actions}
     for name in DEFAULTS:
         assert name in actions and len(actions[name].help) > 10, name
+
+
+def test_dspark_options_become_its_config_and_what_does_not_apply_is_refused():
+    target = tiny_deepseek_v4(seed=0, pad_token_id=3)
+
+    def built(flags: list[str]):
+        return build_drafter(target, **_drafter_overrides(resolve_settings(parse(["--output-dir", "x", *flags]))))
+
+    flags = ["--drafter-kind", "dspark", "--block-size", "6", "--num-layers", "2"]
+    dspark = built(flags)
+    config = dspark.config
+    assert isinstance(dspark, DeepseekV4DSparkForDrafting) and config.num_hidden_layers == 2
+    assert config.dspark_block_size == 5  # DeepSeek's 5 rows: a block of 6 with the anchor
+    assert config.dspark_markov_rank == target.config.hidden_size // 16 and config.dspark_noise_token_id == 3
+    assert config.dspark_conditioning == "stream_mean" and len(config.dspark_target_layer_ids) == 3
+    hybrid = built([*flags, "--conditioning", "pre_collapse"])
+    assert hybrid.config.dspark_target_layer_ids == [target.config.num_hidden_layers - 1]
+    heads = built(["--markov-rank", "4"])
+    assert isinstance(heads, HyperDFlashForDrafting) and heads.markov_w1.weight.shape[1] == 4
+    for extra, message in (
+        (["--reducer", "dense"], "do not apply to --drafter-kind dspark"),
+        (["--conditioning", "intermediate"], "pre_collapse"),
+        (["--context-window", "0"], "positive --context-window"),
+        (["--block-size", "1"], "leaves no draft"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            built([*flags, *extra])
 
 
 @pytest.fixture(scope="module")

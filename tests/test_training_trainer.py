@@ -169,9 +169,9 @@ def test_lora_finetune_saves_a_plain_drafter_that_loads(target, examples, tmp_pa
 def test_vanilla_dflash_trains_on_intermediate_layers_in_bf16_with_accumulation(target, examples, tmp_path):
     drafter = new_drafter(target, reducer="dense", conditioning="intermediate", target_layer_ids=[1, 2])
     input_ids = examples[0]["input_ids"][None]
-    features, _, _ = DrafterWithFrozenTarget(drafter, target, LossConfig())._target_pass(
+    features = DrafterWithFrozenTarget(drafter, target, LossConfig())._target_pass(
         input_ids, torch.tensor([[PROMPT_LENGTH]])
-    )
+    )[0]
     with torch.no_grad():
         layer_outputs = target.model(input_ids=input_ids, output_hidden_states=True).hidden_states
     # Two target forwards (hooks with use_cache=False vs output_hidden_states with a cache): float tolerance
@@ -196,10 +196,9 @@ def test_bitsandbytes_options_fail_clearly_when_unavailable(monkeypatch, tmp_pat
         load_target(tmp_path, "cpu", quantization="3bit")
 
 
-def test_dspark_trains_with_deepspecs_objective_and_its_confidence_learns_the_acceptance(tmp_path):
-    """DeepSpec's terms (CE, the L1 distance to the target, the confidence head against 1 - L1 / 2) fall on the
-    overfit set of a target with peaked next-token distributions (the stock init's are near uniform, nothing for
-    L1 to learn), and the trained drafter decodes: greedy as plain decoding."""
+def peaked_target_and_examples():
+    """A target with peaked next-token distributions (the stock init's are near uniform, nothing for DSpark's L1 and
+    confidence terms to learn) and its greedy replies to four prompts."""
     target = tiny_deepseek_v4(seed=0).requires_grad_(False)
     with torch.no_grad():
         target.lm_head.weight.mul_(20.0)
@@ -208,15 +207,47 @@ def test_dspark_trains_with_deepspecs_objective_and_its_confidence_learns_the_ac
         prompt = torch.randint(3, target.config.vocab_size, (1, PROMPT_LENGTH), generator=generator)
         ids = target.generate(prompt, max_new_tokens=24, do_sample=False)[0]
         examples.append({"input_ids": ids, "loss_mask": torch.arange(len(ids)) >= PROMPT_LENGTH})
-    torch.manual_seed(0)
-    drafter = DeepseekV4DSparkForDrafting.from_target(
-        target, num_hidden_layers=1, dspark_block_size=3, dspark_markov_rank=8, dspark_noise_token_id=3
-    )
-    train_drafter(drafter, target, examples, tmp_path, loop(total_steps=30, log_every=5), anchors_per_sequence=8)
-    train = [r for r in read_log(tmp_path / "log.jsonl") if "loss" in r]
+    return target, examples
+
+
+def assert_heads_learn_and_decode_losslessly(target, examples, drafter, run_dir) -> list[dict]:
+    """The confidence and CE terms fall on the overfit set, and the trained drafter decodes as plain decoding."""
+    train_drafter(drafter, target, examples, run_dir, loop(total_steps=30, log_every=5), anchors_per_sequence=8)
+    train = [r for r in read_log(run_dir / "log.jsonl") if "loss" in r]
     assert {"loss", "ce", "l1", "confidence", "acc", "tau_forced"} <= set(train[0])
-    assert train[-1]["ce"] < train[0]["ce"] - 2 and train[-1]["l1"] < train[0]["l1"] - 0.2
-    assert train[-1]["confidence"] < train[0]["confidence"]
+    assert train[-1]["ce"] < train[0]["ce"] - 2 and train[-1]["confidence"] < train[0]["confidence"]
     prompt = examples[0]["input_ids"][None, :PROMPT_LENGTH]
     plain = target.generate(prompt, max_new_tokens=16, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=drafter), plain)
+    return train
+
+
+@pytest.mark.parametrize("conditioning", ["stream_mean", "pre_collapse"])
+def test_dspark_trains_with_deepspecs_objective_and_its_confidence_learns_the_acceptance(tmp_path, conditioning):
+    """DeepSpec's terms (CE, the L1 distance to the target, the confidence head against 1 - L1 / 2) fall, with
+    DSpark's own conditioning and with the final pre-collapse residual through a gate copied from the target's."""
+    target, examples = peaked_target_and_examples()
+    torch.manual_seed(0)
+    drafter = DeepseekV4DSparkForDrafting.from_target(
+        target,
+        num_hidden_layers=1,
+        dspark_block_size=3,
+        dspark_markov_rank=8,
+        dspark_noise_token_id=3,
+        dspark_conditioning=conditioning,
+    )
+    if conditioning == "pre_collapse":
+        assert drafter.config.dspark_target_layer_ids == [target.config.num_hidden_layers - 1]
+        assert torch.equal(drafter.context_hc_head.hc_fn, target.model.hc_head.hc_fn)
+    train = assert_heads_learn_and_decode_losslessly(target, examples, drafter, tmp_path)
+    assert train[-1]["l1"] < train[0]["l1"] - 0.2
+
+
+def test_hyperdflash_with_dsparks_heads_trains_them_beside_its_own_objective(tmp_path):
+    """markov_rank > 0: HyperDFlash's CE and KL on the Markov-biased logits, plus the confidence head's loss."""
+    target, examples = peaked_target_and_examples()
+    torch.manual_seed(0)
+    drafter = HyperDFlashForDrafting.from_target(target, block_size=4, num_hidden_layers=1, markov_rank=8)
+    before = drafter.markov_w2.weight.clone()
+    train = assert_heads_learn_and_decode_losslessly(target, examples, drafter, tmp_path)
+    assert "kl" in train[-1] and not torch.equal(drafter.markov_w2.weight, before)

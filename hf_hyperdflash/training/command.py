@@ -39,8 +39,6 @@ def _drafter_overrides(settings: dict) -> dict:
     given = {field: settings[name] for field, name in names.items() if settings[name] is not None}
     if given.get("kind") == DSPARK:
         return _dspark_overrides(given)
-    if "markov_rank" in given:
-        raise ValueError("--markov-rank sets DSpark's Markov head; pass it with --drafter-kind dspark, or drop it.")
     if given.get("context_window") == 0:
         given["context_window"] = None  # 0 asks for the whole context
     if settings["init_from"] is not None:
@@ -53,9 +51,12 @@ def _dspark_overrides(given: dict) -> dict:
     """The options of a new DSpark drafter as its config fields (`DeepseekV4DSparkConfig`)."""
     fields = {"kind": "kind", "num_hidden_layers": "num_hidden_layers", "target_layer_ids": "dspark_target_layer_ids"}
     fields |= {"markov_rank": "dspark_markov_rank", "context_window": "sliding_window"}
+    fields |= {"conditioning": "dspark_conditioning"}
     refused = sorted(set(given) - set(fields) - {"block_size"})
     if refused:
         raise ValueError(f"{refused} do not apply to --drafter-kind dspark; drop them.")
+    if given.get("conditioning", "pre_collapse") != "pre_collapse":
+        raise ValueError("DSpark conditions on the stream-mean of target layers, or with --conditioning pre_collapse.")
     if given.get("context_window") == 0:
         raise ValueError("DSpark attends to a window of the context; pass a positive --context-window.")
     overrides = {fields[name]: value for name, value in given.items() if name in fields}

@@ -14,7 +14,6 @@ decay are DeepSpec's defaults (`deepseek-ai/DeepSpec`, `deepspec/modeling/dspark
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -23,7 +22,7 @@ from ..modeling.modeling_hyperdflash import block_attention_mask
 from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
 from .collator import IGNORE_INDEX
-from .losses import accuracy_terms, teacher_logits
+from .losses import acceptance_terms, accuracy_terms, teacher_logits
 
 LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "confidence": 1.0}
 DECAY = 4.0
@@ -39,11 +38,7 @@ def dspark_losses(
     total = weights.sum().clamp(min=1e-8)
     log_q = logits.float().log_softmax(dim=-1)
     nll = -log_q.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    l1 = (log_q.exp() - teacher.float().softmax(dim=-1)).abs().sum(dim=-1)
-    acceptance = (1 - l1 / 2).detach().clamp(0, 1)
-    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), acceptance, reduction="none")
-    terms = {"ce": (nll * weights).sum() / total, "l1": (l1 * weights).sum() / total}
-    terms["confidence"] = (bce * weights).sum() / total
+    terms = {"ce": (nll * weights).sum() / total} | acceptance_terms(log_q, teacher, confidence_logits, weights)
     terms["loss"] = sum(LOSS_WEIGHTS[name] * terms[name] for name in LOSS_WEIGHTS)
     return terms | accuracy_terms(log_q, labels, valid)
 

@@ -106,3 +106,16 @@ def accuracy_terms(log_q: torch.Tensor, labels: torch.LongTensor, valid: torch.T
     for k in range(1, min(2, labels.shape[-1]) + 1):
         terms[f"acc_{k}"] = hits[..., k - 1].sum() / valid[..., k - 1].sum().clamp(min=1)
     return terms
+
+
+def acceptance_terms(
+    log_q: torch.Tensor, teacher: torch.Tensor, confidence_logits: torch.Tensor, weights: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """DSpark's distribution terms, weighted means over slots: "l1", the distance between the draft's (`log_q`) and
+    the target's (`teacher` logits) next-token distributions, and "confidence", the BCE of the confidence head's
+    logits against the acceptance rate that distance gives (1 - L1 / 2, detached)."""
+    total = weights.sum().clamp(min=1e-8)
+    l1 = (log_q.exp() - teacher.float().softmax(dim=-1)).abs().sum(dim=-1)
+    acceptance = (1 - l1 / 2).detach().clamp(0, 1)
+    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), acceptance, reduction="none")
+    return {"l1": (l1 * weights).sum() / total, "confidence": (bce * weights).sum() / total}

@@ -182,7 +182,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         choices=[*DRAFTER_KINDS, DSPARK],
     )
     _option(drafter, "--reducer", "Override the kind's reducer.", choices=["inherited_gate", "dense"])
-    _option(drafter, "--conditioning", "Override the kind's conditioning.", choices=["pre_collapse", "intermediate"])
+    _option(
+        drafter,
+        "--conditioning",
+        "Override the kind's conditioning. DSpark with pre_collapse: the target's final pre-collapse residual through "
+        "a gate inherited from its hc_head, in place of the stream-mean of its last three layers.",
+        choices=["pre_collapse", "intermediate"],
+    )
     _option(
         drafter,
         "--block-size",
@@ -209,8 +215,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _option(
         drafter,
         "--markov-rank",
-        "DSpark: rank of the Markov head (the bias from the previous token). Default: hidden size / 16, DeepSeek's "
-        "ratio (256 at 4096).",
+        "Rank of DSpark's Markov head (the bias from the previous token). DSpark's default: hidden size / 16, "
+        "DeepSeek's ratio (256 at 4096). > 0 on a HyperDFlash or vanilla DFlash drafter adds DSpark's Markov and "
+        "confidence heads (default 0: none).",
         type=int,
     )
     _option(

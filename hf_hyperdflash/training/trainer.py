@@ -26,11 +26,11 @@ from ..modeling.request_checks import check_compatible
 from ..modeling.strict_loading import check_drafter_path
 from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
-from .collator import BlockCollator
+from .collator import IGNORE_INDEX, BlockCollator
 from .curves import plot_curves
 from .dspark import DSparkWithFrozenTarget
 from .loop import EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
-from .losses import LossConfig, block_losses, teacher_logits
+from .losses import LossConfig, acceptance_terms, block_losses, position_weights, teacher_logits
 from .options import DSPARK as DSPARK_KIND
 
 # The draft layers' projections (attention and SwiGLU); the reducer, norms and mask embedding stay frozen.
@@ -121,6 +121,7 @@ class DrafterWithFrozenTarget(nn.Module):
         self.losses = losses
         config = drafter.config
         self.layer_ids = list(config.target_layer_ids) if config.conditioning == "intermediate" else None
+        self.with_heads = config.markov_rank > 0
 
     @torch.no_grad()
     def _target_pass(self, input_ids: torch.LongTensor, anchor_positions: torch.LongTensor):
@@ -135,7 +136,11 @@ class DrafterWithFrozenTarget(nn.Module):
             teacher = teacher_logits(
                 self.target, final.features(), anchor_positions, self.losses.kl_positions, self.losses.teacher
             )
-        return features, teacher, self.target.embed_tokens(input_ids.gather(1, anchor_positions))
+            every_slot = None  # DSpark's heads: the confidence head learns each slot's acceptance of the real logits
+            if self.with_heads:
+                drafted = self.drafter.config.block_size - 1
+                every_slot = teacher_logits(self.target, final.features(), anchor_positions, drafted, "gated")
+        return features, teacher, every_slot, self.target.embed_tokens(input_ids.gather(1, anchor_positions))
 
     def forward(
         self,
@@ -144,19 +149,33 @@ class DrafterWithFrozenTarget(nn.Module):
         anchor_positions: torch.LongTensor,
         labels: torch.LongTensor,
     ) -> dict[str, torch.Tensor]:
-        features, teacher, anchor_embeds = self._target_pass(input_ids, anchor_positions)
+        features, teacher, every_slot, anchor_embeds = self._target_pass(input_ids, anchor_positions)
         batch, length = input_ids.shape
-        hidden = self.drafter(
+        out = self.drafter(
             anchor_embeds=anchor_embeds,
             target_hidden=features,
             context_position_ids=torch.arange(length, device=input_ids.device).expand(batch, length),
             anchor_position_ids=anchor_positions,
             context_mask=attention_mask,
-        ).last_hidden_state
-        drafted = hidden.unflatten(1, (anchor_positions.shape[1], -1))[:, :, 1:]  # slot 0 is the anchor
+        )
+        blocks = anchor_positions.shape[1]
+        drafted = out.last_hidden_state.unflatten(1, (blocks, -1))[:, :, 1:]  # slot 0 is the anchor
         lm_head = self.target.lm_head
         logits = lm_head(drafted.to(activation_dtype(lm_head, drafted.dtype)))
-        return block_losses(logits, labels, teacher, self.losses)
+        if every_slot is None:
+            return block_losses(logits, labels, teacher, self.losses)
+        # DSpark's heads: the Markov bias of each slot's previous token (teacher-forced) and the confidence loss
+        anchors = input_ids.gather(1, anchor_positions)
+        previous = torch.cat([anchors.unsqueeze(-1), labels[..., :-1].clamp(min=0)], dim=-1)
+        drafter = _draft_model(self.drafter)
+        bias, markov_embedding = drafter.markov(previous)
+        terms = block_losses(logits + bias, labels, teacher, self.losses)
+        residual = out.residual.unflatten(1, (blocks, -1))[:, :, 1:]
+        weights = position_weights(labels.shape[-1] + 1, self.losses.gamma).to(labels.device)
+        weights = weights * (labels != IGNORE_INDEX)
+        log_q = (logits + bias).float().log_softmax(dim=-1)
+        heads = acceptance_terms(log_q, every_slot, drafter.confidence_logit(residual, markov_embedding), weights)
+        return terms | heads | {"loss": terms["loss"] + heads["confidence"]}
 
 
 def _batch_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
