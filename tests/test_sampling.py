@@ -121,7 +121,9 @@ def drafter_for(target, kind: str) -> HyperDFlashForDrafting | DeepseekV4MTPForD
     if kind in ("dspark", "hyperdflash_heads"):
         with torch.no_grad():  # a real Markov bias (untrained: ~0); confidences spread over (0, 1), not all ~0.5
             drafter.markov_w2.weight.mul_(100.0)
-            drafter.confidence_head.weight.mul_(-2000.0)
+            # HyperDFlash's pre-norm states vary little here: the previous token's Markov inputs carry the spread
+            head = drafter.confidence_head.weight
+            (head if kind == "dspark" else head[:, -drafter.config.markov_rank :]).mul_(-2000.0)
     drafter.generation_config.num_assistant_tokens_schedule = "constant"
     return drafter
 
