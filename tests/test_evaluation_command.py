@@ -91,16 +91,20 @@ def test_missing_shipped_models_are_skipped_with_a_note(monkeypatch, tmp_path):
     monkeypatch.setattr(reference, "target_path", lambda: tmp_path / "target")
     monkeypatch.setattr(reference, "tokenizer_path", lambda: tmp_path / "tokenizer")
     monkeypatch.setattr(reference, "mtp_path", missing)
+    monkeypatch.setattr(reference, "dspark_path", lambda: tmp_path / "dspark")
     monkeypatch.setattr(
         reference, "drafter_path", lambda kind: tmp_path / kind if kind == "hyperdflash" else missing()
     )
     notes = []
     _, _, mtp, drafters = command._models(parse(["--output-dir", "out"]), notes)
-    assert mtp is None and drafters == {"hyperdflash": tmp_path / "hyperdflash"}
+    assert mtp is None and drafters == {"hyperdflash": tmp_path / "hyperdflash", "dspark": tmp_path / "dspark"}
     assert notes == [
         "skipped mtp: the shipped reference mtp is not installed",
         "skipped vanilla_dflash: the shipped reference vanilla_dflash is not installed",
     ]
+    notes.clear()
+    _, _, mtp, drafters = command._models(parse(["--output-dir", "out", "--dspark", "none"]), notes)
+    assert "dspark" not in drafters
     notes.clear()
     _, _, mtp, drafters = command._models(parse(["--output-dir", "out", "--target", "t"]), notes)
     assert mtp is None and drafters == {} and notes == ["no native MTP: pass --mtp DIR for --target"]

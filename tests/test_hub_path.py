@@ -37,7 +37,8 @@ README = Path(__file__).parents[1] / "README.md"
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, Path]:
-    """A tiny stock V4 target and three drafters for it, saved as a user would publish them."""
+    """A tiny stock V4 target and four drafters for it (one with DSpark's heads), and the shipped drafters, saved as a
+    user would publish them."""
     root = tmp_path_factory.mktemp("hub")
     target = tiny_deepseek_v4(seed=3)
     target.save_pretrained(root / "target")
@@ -49,13 +50,14 @@ def saved(tmp_path_factory) -> dict[str, Path]:
             target, block_size=4, reducer="dense", conditioning="intermediate"
         ),
         "mtp": DeepseekV4MTPForDrafting.from_target(target),
+        "hyperdflash_heads": HyperDFlashForDrafting.from_target(target, block_size=4, markov_rank=4),
     }
     for name, drafter in drafters.items():
         drafter.save_pretrained(root / name)
         folders[name] = root / name
     # The shipped reference drafters, published the same way: loaded with the library, saved with save_pretrained.
-    for name, path in [*((kind, reference.drafter_path(kind)) for kind in reference.DRAFTER_KINDS), ("mtp", None)]:
-        source = path or reference.mtp_path()
+    shipped = {kind: reference.drafter_path(kind) for kind in reference.DRAFTER_KINDS}
+    for name, source in (shipped | {"mtp": reference.mtp_path(), "dspark": reference.dspark_path()}).items():
         AutoModel.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(root / f"reference_{name}")
         folders[f"reference_{name}"] = root / f"reference_{name}"
     return folders
@@ -64,7 +66,7 @@ def saved(tmp_path_factory) -> dict[str, Path]:
 def test_save_pretrained_writes_the_whole_runtime(saved):
     """Every runtime module, written from the one source; the drafter class loads through `drafting.py`, which
     installs the generate() integration (the modeling files do not import it)."""
-    for name in ("hyperdflash", "vanilla_dflash", "mtp", "reference_hyperdflash", "reference_mtp"):
+    for name in ("hyperdflash", "vanilla_dflash", "mtp", "hyperdflash_heads", "reference_mtp", "reference_dspark"):
         folder = saved[name]
         shipped = {path.name for path in folder.glob("*.py")}
         assert shipped == RUNTIME_FILES, name
@@ -91,23 +93,28 @@ def test_fresh_process_without_the_library_decodes_losslessly(saved, tmp_path):
     messages = [{"role": "user", "content": "How do I make a good cup of coffee at home?"}]
     chat_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     cases = [
-        {"target": str(saved["target"]), "prompt": prompt, "drafters": [str(saved["hyperdflash"]), str(saved["mtp"])]},
+        {
+            "target": str(saved["target"]),
+            "prompt": prompt,
+            "drafters": [str(saved[name]) for name in ("hyperdflash", "mtp", "hyperdflash_heads")],
+        },
         {
             "target": str(reference.target_path()),
             "prompt": list(chat_prompt["input_ids"]),
-            "drafters": [str(saved[f"reference_{k}"]) for k in ("hyperdflash", "vanilla_dflash", "mtp")],
+            "drafters": [str(saved[f"reference_{k}"]) for k in ("hyperdflash", "vanilla_dflash", "mtp", "dspark")],
         },
     ]
     output = run_without_the_library(tmp_path, DECODE_EVERY_PAIR, json.dumps(cases))
     *results, status = json.loads(output.strip().splitlines()[-1])
     assert status == {"library_imported": False}
-    assert len(results) == 5
+    assert len(results) == 7
     for result in results:
         assert result["module"].startswith("transformers_modules."), result
         assert result["identical"], result
         assert result["new_tokens"] == 24 and result["tau"] >= 1.0, result
     shipped_tau = {Path(r["drafter"]).name: r["tau"] for r in results}
-    assert shipped_tau["reference_hyperdflash"] > 1.5  # the trained drafter really drafts through the remote code
+    # the trained drafters really draft through the remote code
+    assert shipped_tau["reference_hyperdflash"] > 1.5 and shipped_tau["reference_dspark"] > 1.5
 
 
 @pytest.mark.slow

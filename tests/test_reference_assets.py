@@ -7,13 +7,18 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel
 
-from hf_hyperdflash import HyperDFlashForDrafting, reference
+from hf_hyperdflash import DeepseekV4DSparkForDrafting, HyperDFlashForDrafting, reference
 from hf_hyperdflash.modeling.target_fingerprint import target_fingerprint
 from hf_hyperdflash.reference.build import export_drafters, train_language_model
 from hf_hyperdflash.testing import tiny_deepseek_v4
 from hf_hyperdflash.training.loop import LoopConfig
 
-ASSET_DIRS = [reference.target_path(), reference.mtp_path(), *map(reference.drafter_path, reference.DRAFTER_KINDS)]
+ASSET_DIRS = [
+    reference.target_path(),
+    reference.mtp_path(),
+    reference.dspark_path(),
+    *map(reference.drafter_path, reference.DRAFTER_KINDS),
+]
 
 
 def test_shipped_weights_are_bf16_and_within_the_budget():
@@ -71,18 +76,23 @@ def test_drafters_stage_ships_trained_drafters_as_bf16(tmp_path):
     target = tiny_deepseek_v4()
     trained = {}
     for kind, conditioning in zip(reference.DRAFTER_KINDS, ["pre_collapse", "intermediate"], strict=True):
-        trained[kind] = HyperDFlashForDrafting.from_target(target, conditioning=conditioning, block_size=4)
-        trained[kind].save_pretrained(tmp_path / "runs" / kind / "drafter")
+        trained[f"drafter_{kind}"] = HyperDFlashForDrafting.from_target(
+            target, conditioning=conditioning, block_size=4
+        )
+        trained[f"drafter_{kind}"].save_pretrained(tmp_path / "runs" / kind / "drafter")
+    with pytest.raises(ValueError, match="configs/reference_drafter_dspark.json"):
+        export_drafters(tmp_path / "runs", tmp_path / "assets")
+    trained["dspark"] = DeepseekV4DSparkForDrafting.from_target(target, num_hidden_layers=1, dspark_markov_rank=4)
+    trained["dspark"].save_pretrained(tmp_path / "runs" / "dspark" / "drafter")
     export_drafters(tmp_path / "runs", tmp_path / "assets")
-    for kind, drafter in trained.items():
-        shipped = HyperDFlashForDrafting.from_pretrained(tmp_path / "assets" / f"drafter_{kind}")
-        assert {path.name for path in (tmp_path / "assets" / f"drafter_{kind}").iterdir()} == {
-            "config.json",
-            "model.safetensors",
-        }
-        assert shipped.dtype == torch.bfloat16 and shipped.config.conditioning == drafter.config.conditioning
-        for name, value in drafter.state_dict().items():
-            torch.testing.assert_close(shipped.state_dict()[name], value.to(torch.bfloat16))
+    for name, drafter in trained.items():
+        shipped = type(drafter).from_pretrained(tmp_path / "assets" / name)
+        assert {path.name for path in (tmp_path / "assets" / name).iterdir()} == {"config.json", "model.safetensors"}
+        with safe_open(tmp_path / "assets" / name / "model.safetensors", "pt") as weights:
+            assert {weights.get_slice(k).get_dtype() for k in weights.keys()} == {"BF16"}, name
+        assert getattr(shipped.config, "conditioning", None) == getattr(drafter.config, "conditioning", None)
+        for key, value in drafter.state_dict().items():
+            torch.testing.assert_close(shipped.state_dict()[key].to(torch.bfloat16), value.to(torch.bfloat16))
 
 
 def test_language_model_training_lowers_the_loss_and_plots_it(tmp_path):

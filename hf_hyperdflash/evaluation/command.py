@@ -16,7 +16,14 @@ from ..command_errors import run_command
 from ..loading import check_target_path, check_tokenizer_path, load_target
 from . import options
 from .datasets import load_prompt_set
-from .harness import build_methods, check_drafter, evaluate, reference_drafter_dirs, reference_mtp_dir
+from .harness import (
+    build_methods,
+    check_drafter,
+    evaluate,
+    reference_drafter_dirs,
+    reference_dspark_dir,
+    reference_mtp_dir,
+)
 from .options import MODES, add_eval_arguments
 from .paired import default_tau_ratio_pairs, pool_members, speculative_names
 from .report import REPORT_FILES, machine_description, write_report
@@ -47,8 +54,11 @@ def _models(args: argparse.Namespace, notes: list[str]) -> tuple[str, str, Path 
     with_reference = shipped_target if args.reference_drafters is None else args.reference_drafters
     drafters = reference_drafter_dirs(notes) if with_reference else {}
     drafters |= {name: Path(path) for name, path in args.drafter}
-    if args.dspark:
-        drafters["dspark"] = Path(args.dspark)
+    dspark = reference_dspark_dir(notes) if args.dspark == "auto" and shipped_target else None
+    if args.dspark not in ("auto", "none"):
+        dspark = Path(args.dspark)
+    if dspark is not None:
+        drafters["dspark"] = dspark
     return target, args.tokenizer or tokenizer, mtp, drafters
 
 

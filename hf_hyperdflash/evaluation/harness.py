@@ -68,6 +68,11 @@ def reference_mtp_dir(notes: list[str]) -> Path | None:
     return _shipped("mtp", reference.mtp_path, notes)
 
 
+def reference_dspark_dir(notes: list[str]) -> Path | None:
+    """The shipped DSpark drafter, or None with a note in `notes`."""
+    return _shipped("dspark", reference.dspark_path, notes)
+
+
 def reference_drafter_dirs(notes: list[str]) -> dict[str, Path]:
     """The shipped drafters that exist, by kind; a note in `notes` for each missing one."""
     paths = {kind: _shipped(kind, lambda kind=kind: reference.drafter_path(kind), notes) for kind in DRAFTER_KINDS}

@@ -100,8 +100,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     models.add_argument(
         "--dspark",
-        help="DSpark: a DeepSeek-V4 release that ships it (the target's checkpoint) or a saved DSpark drafter; one "
-        "more method, named dspark.",
+        default="auto",
+        help="DSpark: a DeepSeek-V4 release that ships it (the target's checkpoint), a saved DSpark drafter, or "
+        "'none'; one more method, named dspark. Default (auto): the shipped one with the shipped target.",
     )
     models.add_argument(
         "--mtp-steps",

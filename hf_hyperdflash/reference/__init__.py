@@ -39,10 +39,15 @@ def mtp_path() -> Path:
     return _asset("mtp")
 
 
+def dspark_path() -> Path:
+    """DSpark (DeepSeek's V4 block drafter) for the reference target: configs/reference_drafter_dspark.json."""
+    return _asset("dspark")
+
+
 def drafter_path(kind: str) -> Path:
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"Unknown drafter kind {kind!r}; choose one of {DRAFTER_KINDS}.")
     return _asset(f"drafter_{kind}")
 
 
-__all__ = ["DRAFTER_KINDS", "drafter_path", "mtp_path", "target_path", "tokenizer_path"]
+__all__ = ["DRAFTER_KINDS", "drafter_path", "dspark_path", "mtp_path", "target_path", "tokenizer_path"]

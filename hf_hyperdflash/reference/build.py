@@ -1,7 +1,7 @@
 """Build the reference model set from scratch: tokenizer, DeepSeek-V4 target, native MTP.
 
     python -m hf_hyperdflash.reference.build --work-dir runs/reference
-    python -m hf_hyperdflash.reference.build --stages drafters   # after the two `hyperdflash train` runs
+    python -m hf_hyperdflash.reference.build --stages drafters   # after the three `hyperdflash train` runs
 
 Every stage is seeded and skips itself when its output exists; training stages checkpoint and resume,
 so re-running the same command after an interruption continues where it stopped. The result is
@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from ..chat_format import synthetic_reasoning, train_chat_tokenizer
+from ..modeling.modeling_deepseek_v4_dspark import DeepseekV4DSparkForDrafting
 from ..modeling.modeling_deepseek_v4_mtp import DeepseekV4MTPForDrafting
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting
 from ..modeling.target_deepseek_v4 import DeepseekV4Target
@@ -187,15 +188,17 @@ def export_bf16(model_class: type[PreTrainedModel], source: Path, destination: P
 
 
 def export_drafters(drafters_dir: Path, out: Path) -> None:
-    """Export `drafters_dir/<kind>/drafter`, as trained by `configs/reference_drafter_<kind>.json`, to `out`."""
-    for kind in DRAFTER_KINDS:
+    """Export `drafters_dir/<kind>/drafter`, as trained by `configs/reference_drafter_<kind>.json`, to `out`:
+    HyperDFlash and vanilla DFlash as `drafter_<kind>`, DSpark as `dspark`."""
+    exports = [(kind, HyperDFlashForDrafting, f"drafter_{kind}") for kind in DRAFTER_KINDS]
+    for kind, model_class, name in [*exports, ("dspark", DeepseekV4DSparkForDrafting, "dspark")]:
         source = drafters_dir / kind / "drafter"
         if not (source / "config.json").exists():
             raise ValueError(
                 f"No trained {kind} drafter at {source}; run "
                 f"`hyperdflash train --config configs/reference_drafter_{kind}.json` first."
             )
-        export_bf16(HyperDFlashForDrafting, source, out / f"drafter_{kind}")
+        export_bf16(model_class, source, out / name)
 
 
 def main(argv: list[str] | None = None) -> None:
