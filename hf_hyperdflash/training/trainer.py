@@ -23,7 +23,7 @@ from ..modeling.generation_stats import mean_accepted_length
 from ..modeling.modeling_deepseek_v4_dspark import DeepseekV4DSparkForDrafting
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting, special_token_ids
 from ..modeling.request_checks import check_compatible
-from ..modeling.strict_loading import check_drafter_path
+from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
 from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
 from .collator import IGNORE_INDEX, BlockCollator
@@ -70,7 +70,10 @@ def build_drafter(
             f"Drafter settings {sorted(overrides)} only apply to a new drafter; `init_from` keeps the saved config."
         )
     check_drafter_path(init_from)
-    is_dspark = PretrainedConfig.get_config_dict(init_from)[0].get("model_type") == DSPARK_DRAFTER_TYPE
+    try:
+        is_dspark = PretrainedConfig.get_config_dict(init_from)[0].get("model_type") == DSPARK_DRAFTER_TYPE
+    except OSError as error:  # a Hub id (or a relative path shaped like one) that could not be fetched
+        raise unreachable_hub_id(init_from, error) from error
     if is_dspark and lora_rank:
         raise ValueError("LoRA fine-tuning covers HyperDFlash and vanilla DFlash drafters; fine-tune DSpark fully.")
     drafter_class = DeepseekV4DSparkForDrafting if is_dspark else HyperDFlashForDrafting
