@@ -71,18 +71,29 @@ def teacher_logits(
     return logits.unflatten(1, positions.shape[1:])
 
 
+def slot_weights(labels: torch.LongTensor, gamma: float | None) -> torch.Tensor:
+    """`position_weights` of each labelled slot of `labels` [.., B-1]; 0 where a slot has no label."""
+    return position_weights(labels.shape[-1] + 1, gamma).to(labels.device) * (labels != IGNORE_INDEX)
+
+
 def block_losses(
     logits: torch.Tensor, labels: torch.LongTensor, teacher: torch.Tensor, config: LossConfig
 ) -> dict[str, torch.Tensor]:
-    """Loss terms and accuracies of drafter `logits` [batch, anchors, B-1, vocab] against `labels` [.., B-1].
+    """Loss terms and accuracies of drafter `logits` [batch, anchors, B-1, vocab] against `labels` [.., B-1]."""
+    return block_terms(logits.float().log_softmax(dim=-1), labels, teacher, config)
+
+
+def block_terms(
+    log_q: torch.Tensor, labels: torch.LongTensor, teacher: torch.Tensor, config: LossConfig
+) -> dict[str, torch.Tensor]:
+    """`block_losses` from the drafter's log-probabilities `log_q` (fp32).
 
     `teacher` [batch, anchors, kl_positions, vocab] holds the teacher logits of the first slots. Returns
     "loss" (optimised), "ce", "kl" and `accuracy_terms`.
     """
     valid = labels != IGNORE_INDEX
-    log_q = logits.float().log_softmax(dim=-1)
     nll = -log_q.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    weights = position_weights(labels.shape[-1] + 1, config.gamma).to(nll.device) * valid
+    weights = slot_weights(labels, config.gamma)
     ce = (nll * weights).sum() / weights.sum().clamp(min=1e-8)
 
     kl_valid = valid[..., : config.kl_positions]

@@ -26,11 +26,11 @@ from ..modeling.request_checks import check_compatible
 from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
 from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
-from .collator import IGNORE_INDEX, BlockCollator
+from .collator import BlockCollator
 from .curves import plot_curves
 from .dspark import DSparkWithFrozenTarget
 from .loop import EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
-from .losses import LossConfig, acceptance_terms, block_losses, position_weights, teacher_logits
+from .losses import LossConfig, acceptance_terms, block_losses, block_terms, slot_weights, teacher_logits
 from .options import DSPARK as DSPARK_KIND
 
 # The draft layers' projections (attention and SwiGLU); the reducer, norms and mask embedding stay frozen.
@@ -172,12 +172,11 @@ class DrafterWithFrozenTarget(nn.Module):
         previous = torch.cat([anchors.unsqueeze(-1), labels[..., :-1].clamp(min=0)], dim=-1)
         drafter = _draft_model(self.drafter)
         bias, markov_embedding = drafter.markov(previous)
-        terms = block_losses(logits + bias, labels, teacher, self.losses)
-        residual = out.residual.unflatten(1, (blocks, -1))[:, :, 1:]
-        weights = position_weights(labels.shape[-1] + 1, self.losses.gamma).to(labels.device)
-        weights = weights * (labels != IGNORE_INDEX)
         log_q = (logits + bias).float().log_softmax(dim=-1)
-        heads = acceptance_terms(log_q, every_slot, drafter.confidence_logit(residual, markov_embedding), weights)
+        terms = block_terms(log_q, labels, teacher, self.losses)
+        residual = out.residual.unflatten(1, (blocks, -1))[:, :, 1:]
+        confidence_logits = drafter.confidence_logit(residual, markov_embedding)
+        heads = acceptance_terms(log_q, every_slot, confidence_logits, slot_weights(labels, self.losses.gamma))
         return terms | heads | {"loss": terms["loss"] + heads["confidence"]}
 
 
