@@ -283,6 +283,18 @@ def _prefill_without_draft(generator) -> None:
     generator.get_candidates = candidates
 
 
+def _keep_states_for_each_draft(generator, target: HyperConnectionTarget, cache: Cache) -> None:
+    """Each step's verify forward can roll back every draft of that step, however the draft length has grown."""
+    get_candidates = generator.get_candidates
+
+    def candidates(input_ids: torch.LongTensor, *args, **kwargs):
+        candidate_ids, candidate_logits = get_candidates(input_ids, *args, **kwargs)
+        target.keep_states_for_draft(cache, candidate_ids.shape[1] - input_ids.shape[1])
+        return candidate_ids, candidate_logits
+
+    generator.get_candidates = candidates
+
+
 def stock_drafting_generate(original_generate: Callable, request: GenerateRequest):
     """Prompt lookup or a stock assistant (transformers' own candidate generators) on an mHC target: the target, and
     a stateful assistant, get caches that roll back exactly."""
@@ -306,6 +318,7 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
     def candidate_generator(original: Callable, **options):
         generator = original(**options)
         _prefill_without_draft(generator)
+        _keep_states_for_each_draft(generator, target, cache)
         # An mHC assistant whose stock cache does not roll back gets one that does (another model keeps its own)
         family = TARGET_FAMILIES.get(getattr(getattr(assistant, "config", None), "model_type", None))
         assistant_cache = None if family is None else family(assistant).make_assistant_cache(max_draft)

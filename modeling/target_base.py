@@ -174,6 +174,10 @@ class HyperConnectionTarget:
         indices (a padded prompt)."""
         return nullcontext()
 
+    def keep_states_for_draft(self, cache: Cache, num_drafts: int) -> None:
+        """Before a verify forward of `num_drafts` drafts on `cache`: whatever lets rollback reach all of them (nothing
+        by default)."""
+
     def one_token_key_columns(self, layer_idx: int, cache_length: int, num_queries: int, query: int) -> torch.Tensor:
         """The key columns of a verify forward's attention row `query` that a one-token forward at that position
         has. Default: full attention, every key up to and including its own position."""

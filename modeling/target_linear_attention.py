@@ -78,6 +78,15 @@ class LinearAttentionTarget(HyperConnectionTarget):
             return call_scope.methods(cache, activate_past_recording=_keeping_one_more_state)
         return recording_kernels(self.kernel_module, *self.kernel_names)
 
+    def keep_states_for_draft(self, cache: Cache, num_drafts: int) -> None:
+        """From 5.25, transformers sets the count of kept states once per call, from the draft length at its start; a
+        stock assistant's heuristic schedule lengthens drafts past it, and `crop` then fails. Each verify forward keeps
+        one more state than its drafts (a forward of n tokens runs its last n one token at a time either way)."""
+        if STOCK_LINEAR_ATTENTION_ROLLBACK:
+            for layer in cache.layers:
+                if isinstance(layer, LinearAttentionLayer) and layer.record_past:
+                    layer.recurrent_states_to_keep = num_drafts + 1
+
 
 def _keeping_one_more_state(activate: Callable, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
     """Past recording that keeps the states `crop` restores after rejecting every draft (module docstring)."""
