@@ -322,6 +322,47 @@ def oracle_drafting(oracle: OracleProposer) -> Iterator[OracleProposer]:
         BlockProposer.propose = original
 
 
+def assert_same_outputs(ours, theirs, tolerance: float = 1e-5) -> None:
+    """A speculative call's returned dict against plain decoding's: the same tokens; per new token the same scores,
+    logits, every layer's hidden states and attentions, in plain decoding's shapes, within `tolerance`."""
+    assert ours.sequences.tolist() == theirs.sequences.tolist()
+    for name in ("scores", "logits", "hidden_states", "attentions"):
+        steps_ours, steps_theirs = getattr(ours, name), getattr(theirs, name)
+        assert len(steps_ours) == len(steps_theirs), name
+        for step, (a, b) in enumerate(zip(steps_ours, steps_theirs, strict=True)):
+            layers = zip(*((a, b) if isinstance(a, tuple) else ((a,), (b,))), strict=True)
+            for index, (x, y) in enumerate(layers):
+                where = f"{name} step {step} entry {index}"
+                assert x.shape == y.shape, where
+                torch.testing.assert_close(x, y, rtol=tolerance, atol=tolerance, msg=where)
+
+
+def _assert_same_state(ours, theirs, where: str) -> None:
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and ours.shape == theirs.shape, where
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5, msg=where)
+    elif isinstance(theirs, dict | list | tuple):
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
+        if isinstance(theirs, dict):
+            assert ours.keys() == theirs.keys(), where
+            ours, theirs = list(ours.values()), list(theirs.values())
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            _assert_same_state(a, b, f"{where}[{i}]")
+    else:
+        assert ours == theirs, where
+
+
+def assert_same_cache(ours, theirs) -> None:
+    """A returned cache against plain decoding's: the same class, layer classes by exact type (what transformers'
+    generation tester asks), and the same state in every layer."""
+    assert type(ours) is type(theirs)
+    assert [type(layer) for layer in ours.layers] == [type(layer) for layer in theirs.layers]
+    for index, (layer, plain_layer) in enumerate(zip(ours.layers, theirs.layers, strict=True)):
+        assert vars(layer).keys() == vars(plain_layer).keys(), f"layer {index}"
+        for name, value in vars(plain_layer).items():
+            _assert_same_state(vars(layer)[name], value, f"layer {index}.{name}")
+
+
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's test; cells expecting < 5 samples are pooled (plus the next smallest until the pool expects 5)."""
     expected = probs * counts.sum()

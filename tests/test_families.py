@@ -1,7 +1,7 @@
-"""Targets of every supported mHC family through one interface (`targets.py`): DeepSeek-V4 (the rest of the suite),
-HY-V4, GLM-5-Next and Qwen4-Exp here. Greedy speculative output equals plain decoding on prompts longer than every
-window and indexer budget, with 2 indexer heads; per-step outputs match; the inherited gate reproduces the family's
-collapse; train and eval run; what a family cannot do is refused up front.
+"""Targets of every supported mHC family through one interface (`targets.py`): DeepSeek-V4, HY-V4, GLM-5-Next and
+Qwen4-Exp. Lossless decoding on every family is `tests/test_lossless.py`; here the inherited gate reproduces the
+family's collapse, HY-V4's indexer ties would break verification without the fix, train and eval run, and what a
+family cannot do is refused up front.
 """
 
 import argparse
@@ -18,7 +18,6 @@ from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting, ref
 from hf_hyperdflash.evaluation.command import add_eval_arguments, run_eval
 from hf_hyperdflash.evaluation.report import REPORT_FILES
 from hf_hyperdflash.modeling.targets import TARGET_FAMILIES, get_target_adapter
-from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 from hf_hyperdflash.testing import (
     OracleProposer,
     oracle_drafting,
@@ -37,10 +36,9 @@ BUILDERS = {
     "qwen4_exp_text": tiny_qwen4_exp,
     "qwen4_exp": tiny_qwen4_exp_composite,  # the composite class, on its text path
 }
-SEEDS = {"hy_v4": range(10), "glm5_next": range(3), "qwen4_exp_text": range(3), "qwen4_exp": range(1, 3)}
 PROMPT_TOKENS = 40  # 10 times HY-V4's indexer budget (4 tokens), 5 times GLM-5-Next's and Qwen4-Exp's (8)
 NEW_TOKENS = 24
-OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_hidden_states=True, output_attentions=True)
+OUTPUTS = dict(return_dict_in_generate=True)
 
 
 def _eager(target):
@@ -49,12 +47,11 @@ def _eager(target):
     return target
 
 
-def _pairs(family: str, seeds, reducer: str = "inherited_gate", check_acceptance: bool = True):
-    """(plain, speculative) greedy outputs per seed on tiny targets of `family`, drafts mostly accepted (checked,
-    unless the outputs are expected to part, when the oracle's drafts stop matching)."""
+def _pairs(family: str, seeds):
+    """(plain, speculative) greedy outputs per seed on tiny targets of `family`, drafts from an oracle."""
     for seed in seeds:
         target = _eager(BUILDERS[family](seed=seed))
-        drafter = HyperDFlashForDrafting.from_target(target, block_size=8, reducer=reducer).eval()
+        drafter = HyperDFlashForDrafting.from_target(target, block_size=8).eval()
         drafter.generation_config.num_assistant_tokens_schedule = "constant"
         prompt = torch.randint(3, 512, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(seed))
         plain = target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **OUTPUTS)
@@ -62,47 +59,14 @@ def _pairs(family: str, seeds, reducer: str = "inherited_gate", check_acceptance
             speculative = target.generate(
                 prompt, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False, **OUTPUTS
             )
-        assert max(drafter.last_generation_stats.accepted_per_step) >= 2 or not check_acceptance
         yield plain, speculative
-
-
-@pytest.mark.parametrize("family", sorted(BUILDERS))
-def test_greedy_speculation_and_its_outputs_match_plain_decoding(family):
-    for plain, speculative in _pairs(family, SEEDS[family]):
-        assert torch.equal(plain.sequences, speculative.sequences)
-        for name in ("scores", "hidden_states", "attentions"):
-            ours, theirs = getattr(speculative, name), getattr(plain, name)
-            assert len(ours) == len(theirs) == NEW_TOKENS
-            for step_ours, step_theirs in zip(ours, theirs, strict=True):
-                pairs = [(step_ours, step_theirs)] if name == "scores" else zip(step_ours, step_theirs, strict=True)
-                for a, b in pairs:
-                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("family", sorted(BUILDERS))
-def test_vanilla_dflash_drafter_is_lossless_too(family):
-    for plain, speculative in _pairs(family, seeds=range(2), reducer="dense"):
-        assert torch.equal(plain.sequences, speculative.sequences)
 
 
 def test_hy_v4_stock_tie_breaking_makes_verification_differ(monkeypatch):
     """Negative control: HY-V4's indexer ties also differ between verify and one-token forwards without the fix."""
     monkeypatch.setattr(HYV4Indexer, "forward", HYV4Indexer.forward.__wrapped__)
-    pairs = _pairs("hy_v4", seeds=range(4), check_acceptance=False)
+    pairs = _pairs("hy_v4", seeds=range(4))
     assert any(not torch.equal(p.sequences, s.sequences) for p, s in pairs)
-
-
-@pytest.mark.parametrize("family", sorted(BUILDERS))
-def test_sampling_under_a_fixed_seed_with_top_k_1(family):
-    target = BUILDERS[family](seed=3)
-    drafter = HyperDFlashForDrafting.from_target(target, block_size=8).eval()
-    prompt = torch.randint(3, 512, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(3))
-    options = dict(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1)
-    torch.manual_seed(0)
-    plain = target.generate(prompt, **options)
-    with oracle_drafting(OracleProposer(512, plain, corruption=0.15, seed=3)):
-        torch.manual_seed(0)
-        assert torch.equal(target.generate(prompt, assistant_model=drafter, **options), plain)
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
@@ -117,20 +81,6 @@ def test_the_inherited_gate_reproduces_the_family_collapse(family):
     with torch.no_grad():
         torch.testing.assert_close(drafter.reducer(residual), adapter.collapse(residual), rtol=1e-6, atol=1e-6)
     assert drafter.config.target_model_type == adapter.config.model_type
-
-
-@pytest.mark.parametrize("family", sorted(BUILDERS))
-def test_continuing_a_conversation_on_the_returned_cache(family):
-    target = BUILDERS[family](seed=1)
-    drafter = HyperDFlashForDrafting.from_target(target, block_size=8).eval()
-    prompt = torch.randint(3, 512, (1, 20), generator=torch.Generator().manual_seed(1))
-    first = target.generate(
-        prompt, max_new_tokens=8, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
-    )
-    follow_up = torch.cat([first.sequences, prompt[:, :6]], dim=1)
-    cache = {CACHE_ARGUMENT: getattr(first, CACHE_ARGUMENT)}
-    continued = target.generate(follow_up, max_new_tokens=10, do_sample=False, assistant_model=drafter, **cache)
-    assert torch.equal(continued, target.generate(follow_up, max_new_tokens=10, do_sample=False))
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))

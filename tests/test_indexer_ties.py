@@ -3,10 +3,11 @@
 With 2 indexer heads (the upstream V4 tester's setting) many index scores are exactly 0.0 (ReLU), and stock
 `torch.topk` picks among them differently in a one-token forward and in a multi-token verify forward. The package
 makes every indexer top-k give ties to the earliest entry, in every forward (`indexer_ties.py`): DeepSeek-V4's by
-ranking its scores, the other families' by replacing the `topk` their forward calls.
+ranking its scores, the other families' by replacing the `topk` their forward calls. That speculative decoding then
+matches plain decoding with 2 indexer heads is `tests/test_lossless.py` (its DeepSeek-V4 cases); here, the top-k
+itself, and that without the fix verification differs.
 """
 
-import pytest
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
 
@@ -57,12 +58,6 @@ def _decode_pairs(kind: str):
         with oracle_drafting(OracleProposer(target.config.vocab_size, plain, corruption=0.15, seed=seed)):
             speculative = target.generate(prompt, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False)
         yield plain, speculative
-
-
-@pytest.mark.parametrize("kind", ["hyperdflash", "mtp"])
-def test_greedy_speculation_matches_plain_decoding_with_two_indexer_heads(kind):
-    for plain, speculative in _decode_pairs(kind):
-        assert torch.equal(plain, speculative)
 
 
 def test_stock_tie_breaking_makes_verification_differ(monkeypatch):

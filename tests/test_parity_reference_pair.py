@@ -1,6 +1,6 @@
 """The parity issue's cases on the shipped reference pair: trained drafters as shipped (the native-MTP one in bf16,
 `dtype="auto"`), the fp32 target, a chat prompt, compared with plain generate(). Stop strings on this pair are in
-`tests/test_stopping.py`; the documented table is checked option by option on tiny targets in `tests/test_parity.py`.
+`tests/test_stopping.py`; the documented table is checked option by option on tiny targets in `tests/test_lossless.py`.
 """
 
 import re
