@@ -131,7 +131,8 @@ def check_session(
     assert_same_state(cache, reference_cache)
 
 
-@pytest.mark.parametrize("seed", range(32))
+# 32 random sessions: 12 on the fast path, the rest with the long tests (`-m slow`)
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s >= 12 else s for s in range(32)])
 def test_rollback_matches_stepwise_and_no_cache_decoding(model, seed):
     # Half the sessions with the target's verify cache, whose one-token forwards run the stock code
     check_session(model, seed, rounds=4, undo_single_token_forwards=seed % 2 == 0)
