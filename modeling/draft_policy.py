@@ -209,7 +209,12 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     def choose(self, confidences: Sequence[float]) -> int:
         """The prefix with the best expected rate (the drafter forwards are spent either way); a probe verifies one
-        draft at least, so the calibration learns whether the text got easier."""
+        draft at least, so the calibration learns whether the text got easier.
+
+        Invariant: each draft adds at most what the one before it added (acceptance multiplies along the block) at
+        the same cost, so the rate rises to its best prefix and then falls. The best prefix is where it first stops
+        rising, and whether a draft is verified depends only on the confidences up to it, known before it was drawn:
+        sampling stays exact for drafters whose later confidences follow the drawn tokens (native MTP)."""
         rates = self._expected_rates(confidences, drafter_forwards=1)
         best = max(range(len(rates)), key=rates.__getitem__)
         return max(best, 1) if self.probing else best

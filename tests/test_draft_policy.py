@@ -256,6 +256,26 @@ def test_choose_verifies_the_prefix_worth_its_cost():
     assert costly.choose([0.65] * 7) < policy.choose([0.65] * 7)
 
 
+@pytest.mark.parametrize("probing", [False, True])
+def test_whether_a_draft_is_verified_depends_only_on_the_confidences_up_to_it(probing):
+    """What keeps sampling exact for drafters whose later confidences follow the drawn tokens (native MTP): the best
+    prefix of a block is the one that every prefix of that block would also keep, so a later confidence never drops
+    an earlier draft. Random confidences, calibrations and costs."""
+    rng = random.Random(0)
+    for _ in range(300):
+        costs = DraftCosts(draft_cost=rng.uniform(0.05, 2.0), verify_cost=rng.uniform(0.0, 0.6))
+        policy = AdaptiveDraftPolicy(max_draft=8, costs=costs)
+        policy.probing = probing
+        for _ in range(rng.randrange(20)):  # a calibration learned from some steps
+            confidences = [rng.random() for _ in range(8)]
+            proposed = rng.randint(1, 8)
+            policy.calibration.update(confidences, proposed, rng.randint(0, proposed))
+        confidences = [rng.random() for _ in range(rng.randint(1, 8))]
+        chosen = policy.choose(confidences)
+        as_drawn = next((k for k in range(1, len(confidences) + 1) if policy.choose(confidences[:k]) < k), None)
+        assert chosen == (len(confidences) if as_drawn is None else as_drawn - 1)
+
+
 def test_a_sequential_drafter_goes_deeper_while_that_raises_the_expected_rate():
     policy = AdaptiveDraftPolicy(max_draft=3, costs=COSTS)
     assert policy.keep_drafting([0.95]) and policy.keep_drafting([0.95, 0.95])
