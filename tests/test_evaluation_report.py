@@ -92,7 +92,7 @@ def test_markdown_has_a_row_per_method_and_flags_the_failure(results, tmp_path):
     assert ratios["hyperdflash / mtp-k3"][1:3] == ["2.93", "2.67–3.50 |"]
     assert markdown.count("| ratio | tau ratio |") == 2  # one per setting
     _, speedups = _first_table(markdown, "| ratio | speed ratio |")  # each method's, with its interval
-    assert list(speedups) == ["mtp-k3 / plain", "hyperdflash / plain"] and speedups["mtp-k3 / plain"][1] == "2.00"
+    assert list(speedups)[:2] == ["mtp-k3 / plain", "hyperdflash / plain"] and speedups["mtp-k3 / plain"][1] == "2.00"
 
 
 def test_json_is_strict_and_complete(results, tmp_path):
@@ -133,12 +133,23 @@ def test_each_method_and_each_schedule_of_a_drafter_is_compared_by_speed_on_the_
     assert "Speed on the same prompts" in markdown
     _, rows = _first_table(markdown, "| ratio | speed ratio |")
     speedups = ["mtp-k3 / plain", "hyperdflash / plain", "mtp-k3-constant / plain"]
-    assert list(rows) == [*speedups, "mtp-k3 / mtp-k3-constant"] and rows["mtp-k3 / mtp-k3-constant"][1] == "1.38"
-    *speedups, ratio = json.loads((tmp_path / REPORT_FILES["json"]).read_text())["settings"][0]["speed_ratios"]
+    assert list(rows)[:4] == [*speedups, "mtp-k3 / mtp-k3-constant"] and rows["mtp-k3 / mtp-k3-constant"][1] == "1.38"
+    *speedups, ratio, _ = json.loads((tmp_path / REPORT_FILES["json"]).read_text())["settings"][0]["speed_ratios"]
     assert (ratio["numerator"], ratio["denominator"]) == ("mtp-k3", "mtp-k3-constant")
     assert ratio["ratio"] == pytest.approx(1.375) and 1.25 <= ratio["low"] <= ratio["high"] <= 1.5
     speedup = speedups[2]  # the median of 1.0 and 2.0, plain decoding at 1.0 on both prompts
     assert speedup["ratio"] == pytest.approx(1.5) and 1.0 <= speedup["low"] <= speedup["high"] <= 2.0
+
+
+def test_the_tau_ratio_pairs_are_compared_by_speed_too_unless_pooled(results, tmp_path):
+    results[0].methods[1].speed_ratios = [1.0, 2.0]  # mtp-k3; hyperdflash: 1.5 and 2.5, so 1.5 and 1.25 per prompt
+    seed_1 = _result("hyperdflash_s1", [5, 3, 1, 1], [7, 7, 7, 7])
+    greedy = SettingResult(results[0].setting, [*results[0].methods, seed_1])
+    pairs = [("hyperdflash", "mtp-k3"), ("hyperdflash+hyperdflash_s1", "mtp-k3")]
+    markdown = write_report([greedy], RUN | {"tau_ratios": pairs}, tmp_path)
+    _, rows = _first_table(markdown, "| ratio | speed ratio |")
+    assert list(rows) == ["mtp-k3 / plain", "hyperdflash / plain", "hyperdflash_s1 / plain", "hyperdflash / mtp-k3"]
+    assert rows["hyperdflash / mtp-k3"][1] == "1.38"  # the median of 1.5 and 1.25
 
 
 def test_acceptance_plot_is_a_png(results, tmp_path):

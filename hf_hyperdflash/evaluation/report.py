@@ -5,11 +5,10 @@ position k (the share of steps that drafted position k whose drafts were all acc
 verification per decoding step and the share of steps that skipped drafting (the adaptive schedule), target forwards
 per generated token, then the speed of the method's later calls, those after its first in the setting: median tokens/s
 and speedup (median over prompts of tokens/s over plain decoding's); "1st call" is the first call's speedup over
-plain decoding's first call, where a schedule that keeps what it learned across calls starts from nothing; and
-lossless (greedy outputs token-identical to plain decoding, N/N prompts). A second table gives the tau ratios of
-the pairs in `run["tau_ratios"]` with paired bootstrap intervals over prompts; a third each method's speedup with its
-interval, and each drafter's default schedule against its others, by speed on the same prompts; a fourth splits the
-mean verify step into drafting, the target's verify forward, the cache rollback and the rest.
+plain decoding's first call (it pays the warm-up); and lossless (greedy outputs token-identical to plain decoding,
+N/N prompts). A second table gives the tau ratios of the pairs in `run["tau_ratios"]` with paired bootstrap intervals
+over prompts; a third compares by speed on the same prompts: each method's speedup with its interval, each drafter's
+default schedule against its others, and the tau-ratio pairs of single methods.
 """
 
 from __future__ import annotations
@@ -97,14 +96,18 @@ def tau_ratios(result: SettingResult, pairs: list[tuple[str, str]]) -> list[Pair
     return [paired_tau_ratio(side(numerator), side(denominator)) for numerator, denominator in pairs]
 
 
-def speed_comparisons(result: SettingResult) -> list[PairedRatio]:
+def speed_comparisons(result: SettingResult, tau_ratio_pairs: list[tuple[str, str]]) -> list[PairedRatio]:
     """By speed on the same prompts: each speculative method over plain decoding (its speedup, with the interval
-    that says whether it differs from 1.00x), then each method's default schedule over its other schedules."""
+    that says whether it differs from 1.00x), each method's default schedule over its other schedules, then the
+    tau-ratio pairs of single methods (a pooled side has no one speed per prompt)."""
     plain, *speculative = result.methods
     by_name = {method.name: method for method in result.methods}
     pairs = schedule_pairs([method.name for method in result.methods])
+    pairs += [
+        pair for pair in tau_ratio_pairs if pair not in pairs and not any(len(pool_members(side)) > 1 for side in pair)
+    ]
     speedups = [paired_speed_ratio(method, plain) for method in speculative]
-    return speedups + [paired_speed_ratio(by_name[default], by_name[other]) for default, other in pairs]
+    return speedups + [paired_speed_ratio(by_name[numerator], by_name[other]) for numerator, other in pairs]
 
 
 def _ratio_table(ratios: list[PairedRatio], quantity: str = "tau") -> list[str]:
@@ -151,7 +154,8 @@ def markdown_report(
             lines += [
                 "",
                 "Speed on the same prompts, later calls: the median over prompts of one method's speed over the "
-                "other's (over plain decoding: its speedup; then each default schedule over the drafter's others), "
+                "other's (over plain decoding: its speedup; then each default schedule over the drafter's others, "
+                "and the tau-ratio pairs), "
                 "with a percentile bootstrap interval over prompts"
                 + (f" ({PLAIN_CONTROL}: plain decoding again, the run's timing noise)" if has_control else "")
                 + ":",
@@ -224,7 +228,7 @@ def write_report(results: list[SettingResult], run: dict, output_dir: str | Path
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     ratios = [tau_ratios(result, run["tau_ratios"]) for result in results]
-    speeds = [speed_comparisons(result) for result in results]
+    speeds = [speed_comparisons(result, run["tau_ratios"]) for result in results]
     markdown = markdown_report(results, run, ratios, speeds)
     (output_dir / REPORT_FILES["markdown"]).write_text(markdown)
     data = results_json(results, run, ratios, speeds)
