@@ -7,11 +7,12 @@ every per-step output and the returned cache by layer class and state, a convers
 image or a video in the prompt. The "refused" rows raise a ValueError before the target's first forward.
 
 Each (kind, option) pair is one case, on a family taken in turn among those both support, so every option meets
-every kind and, through the kinds that run everywhere, every family; the every-output row runs on every (family,
-kind) (`test_the_matrix_covers_every_pair`). Each case has its own prompt, of 5, 13 or 40 tokens (below, inside and
-beyond every window and indexer budget); DeepSeek-V4 runs with 2 indexer heads, where exact ties in index scores are
-common. Block drafts come from an oracle that is right most of the time, so options meet accepted blocks and
-rejections alike; native MTP, prompt lookup and stock assistants draft for themselves (mostly rejected).
+every kind, and at least as many families as it has kinds that run on several (all five for generate() options); the
+every-output row runs on every (family, kind) (`test_the_matrix_covers_every_pair`). Each case has its own prompt,
+of 5, 13 or 40 tokens (below, inside and beyond every window and indexer budget); DeepSeek-V4 runs with 2 indexer
+heads, where exact ties in index scores are common. Block drafts come from an oracle that is right most of the time,
+so options meet accepted blocks and rejections alike; native MTP, prompt lookup and stock assistants draft for
+themselves (mostly rejected).
 """
 
 import itertools
