@@ -165,6 +165,11 @@ def _exact_assisted_call(
         stopping.append(PerTokenStopping(build(**options), prompt_length, arguments.get("streamer")))
         return stopping[-1]
 
+    def candidate_generator(original: Callable, **options):
+        generator = build_candidate_generator(original, **options)
+        _keep_states_for_each_draft(generator, target, cache)
+        return generator
+
     # "dynamic" (perhaps from the target's generation_config.json) is what the rewindable cache is.
     kwargs = request.kwargs | {CACHE_ARGUMENT: cache, "cache_implementation": None}
     no_attentions = request.asks_attentions_it_cannot_get
@@ -177,7 +182,7 @@ def _exact_assisted_call(
             call_scope.methods(
                 target.model,
                 _get_stopping_criteria=stopping_criteria,
-                _get_candidate_generator=build_candidate_generator,
+                _get_candidate_generator=candidate_generator,
             ),
             target.verify_as_decoding(prompt_length, request.positions_may_lag_cache, cache),
             outputs_split_per_token(target.one_token_key_columns, target.prompt_key_columns, cached_length(cache)),
@@ -318,7 +323,6 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
     def candidate_generator(original: Callable, **options):
         generator = original(**options)
         _prefill_without_draft(generator)
-        _keep_states_for_each_draft(generator, target, cache)
         # An mHC assistant whose stock cache does not roll back gets one that does (another model keeps its own)
         family = TARGET_FAMILIES.get(getattr(getattr(assistant, "config", None), "model_type", None))
         assistant_cache = None if family is None else family(assistant).make_assistant_cache(max_draft)

@@ -3,11 +3,11 @@
 Both keep linear-attention states. From transformers 5.25, the stock cache rolls them back itself: assisted decoding
 turns on past recording, and a verify forward computes its last `recurrent_states_to_keep` states one token at a time
 (with decoding's one-token kernel) for `crop` to restore. Its `crop(-n)` restores the `n`-th state back counting the
-state before the forward, so it reaches `n` tokens back only when `n + 1` states were kept: a call keeps one more than
-the drafts (`_keeping_one_more_state`; with stock's count, rejecting a whole block restored the state before its
-first token: prompt lookup on tiny GLM-5-Next targets gave plain decoding's tokens for 0 of 8 prompts, 8 of 8 with
-one more). Before 5.25 they get a `RewindableHybridCache` (`cache_linear_attention.py`), and their delta-rule kernels
-are recorded during a call so that rollback can replay the accepted part of a block.
+state before the forward, so it reaches `n` tokens back only when `n + 1` states were kept: each verify forward keeps
+one more than its drafts (`keep_states_for_draft`; with stock's count, rejecting a whole block restored the state
+before its first token: prompt lookup on tiny GLM-5-Next targets gave plain decoding's tokens for 0 of 8 prompts, 8 of
+8 with one more). Before 5.25 they get a `RewindableHybridCache` (`cache_linear_attention.py`), and their delta-rule
+kernels are recorded during a call so that rollback can replay the accepted part of a block.
 
 - GLM-5-Next (`Glm5NextForConditionalGeneration`; text model `model.language_model`): `[B, S, hc, D]` streams,
   collapsed by a parameter-free mean (`hc_head`) and normed by `norm`. The inherited gate starts as that mean.
@@ -20,7 +20,6 @@ are recorded during a call so that rollback can replay the accepted part of a bl
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import ModuleType
 
@@ -31,7 +30,6 @@ from torch import nn
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
-from . import call_scope
 from .cache_linear_attention import RewindableHybridCache, make_rewindable, make_stock, recording_kernels
 from .target_base import HyperConnectionTarget
 from .transformers_compat import CACHE_ARGUMENT, STOCK_LINEAR_ATTENTION_ROLLBACK
@@ -72,26 +70,20 @@ class LinearAttentionTarget(HyperConnectionTarget):
     def verify_as_decoding(
         self, prompt_length: int, positions_may_lag: bool = True, cache: Cache | None = None
     ) -> AbstractContextManager:
-        """From 5.25, the call's cache keeps a state for every token a rollback can remove; before, the delta-rule
-        kernels hand their inputs to the cache, which replays them on a rollback."""
+        """Before 5.25, the delta-rule kernels hand their inputs to the cache, which replays them on a rollback. From
+        5.25 the stock cache keeps states itself (`keep_states_for_draft`)."""
         if STOCK_LINEAR_ATTENTION_ROLLBACK:
-            return call_scope.methods(cache, activate_past_recording=_keeping_one_more_state)
+            return super().verify_as_decoding(prompt_length, positions_may_lag, cache)
         return recording_kernels(self.kernel_module, *self.kernel_names)
 
     def keep_states_for_draft(self, cache: Cache, num_drafts: int) -> None:
-        """From 5.25, transformers sets the count of kept states once per call, from the draft length at its start; a
-        stock assistant's heuristic schedule lengthens drafts past it, and `crop` then fails. Each verify forward keeps
-        one more state than its drafts (a forward of n tokens runs its last n one token at a time either way)."""
+        """From 5.25: each verify forward keeps one more state than its drafts (module docstring). transformers sets
+        the count once per call, from the draft length at its start, which a stock assistant's heuristic schedule
+        outgrows; a forward of n tokens runs its last n one token at a time either way, so the count costs nothing."""
         if STOCK_LINEAR_ATTENTION_ROLLBACK:
             for layer in cache.layers:
                 if isinstance(layer, LinearAttentionLayer) and layer.record_past:
                     layer.recurrent_states_to_keep = num_drafts + 1
-
-
-def _keeping_one_more_state(activate: Callable, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
-    """Past recording that keeps the states `crop` restores after rejecting every draft (module docstring)."""
-    keep = None if recurrent_states_to_keep is None else recurrent_states_to_keep + 1
-    activate(recurrent_states_to_keep=keep, **kwargs)
 
 
 def _stop_recording(cache: Cache) -> None:

@@ -178,7 +178,7 @@ def test_assisted_decoding_checks_the_cache_is_croppable():
 def test_linear_attention_layers_restore_the_recorded_state_n_back(keep_one_more):
     """5.25's `crop(-n)` after a forward of `n + 1` tokens restores the state after its first token only when `n + 1`
     states were recorded; with `n` (what assisted decoding asks for a draft of `n`) it restores the state before the
-    forward. `target_linear_attention._keeping_one_more_state` relies on both halves: the day transformers fixes its
+    forward. `LinearAttentionTarget.keep_states_for_draft` relies on both halves: the day transformers fixes its
     count, the first case fails here and the extra state can go."""
     model = tiny_glm5_next()
     prompt, block = torch.arange(3, 12)[None], torch.tensor([[40, 41, 42, 43]])
