@@ -248,6 +248,45 @@ def tiny_qwen4_exp_composite(seed: int = 0, **overrides) -> Qwen4ExpForCondition
     return Qwen4ExpForConditionalGeneration(config).float().eval()
 
 
+# Every way of drafting the package serves: its own drafters, and transformers' own candidate generators through it
+OWN_DRAFTER_KINDS = ("hyperdflash", "vanilla_dflash", "hyperdflash_heads", "mtp", "dspark")
+DEEPSEEK_V4_ONLY_KINDS = ("mtp", "dspark")  # native MTP and DSpark are DeepSeek-V4's own
+DRAFTING_KINDS = (*OWN_DRAFTER_KINDS, "prompt_lookup", "stock_assistant")
+
+
+def new_drafter(target: PreTrainedModel, kind: str, block_size: int = 6, seed: int = 1) -> PreTrainedModel:
+    """An untrained drafter of `kind` for `target`, in fp32 eval mode: one of the package's (`OWN_DRAFTER_KINDS`;
+    the heads hybrid is HyperDFlash with DSpark's Markov and confidence heads), or, for "stock_assistant", a randomly
+    initialised model of the target's own class and config drafting 2 tokens, for transformers' assisted loop."""
+    from . import DeepseekV4DSparkForDrafting, DeepseekV4MTPForDrafting, HyperDFlashForDrafting
+
+    torch.manual_seed(seed)
+    if kind == "mtp":
+        drafter = DeepseekV4MTPForDrafting.from_target(target)
+    elif kind == "dspark":
+        drafter = DeepseekV4DSparkForDrafting.from_target(target, dspark_noise_token_id=3)
+    elif kind == "stock_assistant":
+        drafter = type(target)(target.config).float()
+        if isinstance(drafter, DeepseekV4ForCausalLM):
+            randomize_hash_table(drafter, seed)
+        drafter.generation_config.num_assistant_tokens = 2
+    else:
+        settings = {
+            "hyperdflash": {},
+            "vanilla_dflash": {"reducer": "dense", "conditioning": "intermediate"},
+            "hyperdflash_heads": {"markov_rank": 8},
+        }[kind]
+        drafter = HyperDFlashForDrafting.from_target(target, block_size=block_size, **settings)
+    return drafter.eval()
+
+
+def drafting_arguments(target: PreTrainedModel, kind: str, block_size: int = 6) -> dict:
+    """generate() keywords that draft by `kind` (prompt lookup: 3 tokens from 2-gram matches)."""
+    if kind == "prompt_lookup":
+        return {"prompt_lookup_num_tokens": 3, "max_matching_ngram_size": 2}
+    return {"assistant_model": new_drafter(target, kind, block_size)}
+
+
 def image_prompt(model: PreTrainedModel, seed: int, video: bool = False) -> dict:
     """generate() inputs of one prompt with one image (or a one-frame video) as the image-text targets' upstream
     testers build them: random pixel patches for a 4 x 4 patch grid (2 x 2 tokens after the 2 x 2 merge, so

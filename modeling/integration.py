@@ -51,6 +51,7 @@ from .request_checks import (
 )
 from .stopping import HeldBackStreamer, PerTokenStopping
 from .target_base import HyperConnectionTarget
+from .target_linear_attention import install_crop_of_present_states
 from .targets import TARGET_FAMILIES, get_target_adapter
 from .transformers_compat import (
     CACHE_ARGUMENT,
@@ -200,6 +201,7 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     start = synchronized_clock()
     check_internals()
     target = get_target_adapter(request.model)
+    target.check_servable()
     check_compatible(target, drafter)
     draft_length = num_draft_tokens(drafter)
     schedule_name = draft_schedule(drafter)
@@ -305,6 +307,7 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
     a stateful assistant, get caches that roll back exactly."""
     check_internals()
     target = get_target_adapter(request.model)
+    target.check_servable()
     if request.cache is not None and cached_length(request.cache) > 0:
         raise ValueError(
             "Prompt lookup and stock assistants cannot continue from a passed cache on this target; pass the whole "
@@ -359,9 +362,11 @@ def _wrap_generate(original_generate: Callable) -> Callable:
 def install_generate_integration() -> None:
     """Make `generate()` understand our drafters. Idempotent: one wrapper per process, whichever copy installs it.
     Also makes the sparse indexers break exact score ties by position, so verify forwards select what decoding does,
-    and warns once if this transformers is newer than the tested range."""
+    makes linear-attention crops skip the states a layer never filled (from 5.25), and warns once if this
+    transformers is newer than the tested range."""
     warn_if_untested()
     install_deterministic_indexer()
+    install_crop_of_present_states()
     current = GenerationMixin.generate
     installed_by = getattr(current, _INSTALLED_BY, None)
     is_library = __name__.startswith("hf_hyperdflash.")

@@ -124,6 +124,10 @@ class HyperConnectionTarget:
         """Start a drafter's inherited gate as the target's own collapse: a copy of it (values, not storage)."""
         gate.load_state_dict(self.collapse_head.state_dict())
 
+    def check_servable(self) -> None:
+        """`ValueError`, naming the config field, for a target config speculative decoding cannot serve exactly on
+        this transformers; called before the target's first forward."""
+
     def make_cache(self, max_draft: int) -> Cache:
         """A target cache for verifying drafts: its `crop` removes up to `max_draft` trailing tokens of a forward
         exactly (a forward of one token verifies no draft and need not be undone)."""

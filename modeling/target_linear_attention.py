@@ -19,7 +19,9 @@ kernels are recorded during a call so that rollback can replay the accepted part
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import ModuleType
 
@@ -28,7 +30,7 @@ import transformers.models.glm5_next.modeling_glm5_next as glm5_next
 import transformers.models.qwen4_exp.modeling_qwen4_exp as qwen4_exp
 from torch import nn
 from transformers import Cache, DynamicCache
-from transformers.cache_utils import LinearAttentionLayer
+from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from .cache_linear_attention import RewindableHybridCache, make_rewindable, make_stock, recording_kernels
 from .target_base import HyperConnectionTarget
@@ -38,6 +40,17 @@ from .transformers_compat import CACHE_ARGUMENT, STOCK_LINEAR_ATTENTION_ROLLBACK
 class LinearAttentionTarget(HyperConnectionTarget):
     kernel_module: ModuleType
     kernel_names: tuple[str, str]  # the chunked and the one-token delta-rule kernels (before 5.25)
+
+    def check_servable(self) -> None:
+        """Before 5.25 a cache of linear-attention layers alone counts no tokens (`Cache.get_seq_length` raises),
+        and the assisted loop needs that count: plain decoding, which never asks, runs such a target."""
+        layer_types = self.config.layer_types
+        if not STOCK_LINEAR_ATTENTION_ROLLBACK and set(layer_types) == {"linear_attention"}:
+            raise ValueError(
+                f"Speculative decoding on a {self.family} target whose `layer_types` are all linear attention "
+                f"({layer_types}) needs transformers 5.25 or newer, where a cache counts tokens without an "
+                "attention layer: `pip install 'transformers>=5.25'`, or decode without a drafter."
+            )
 
     def make_cache(self, max_draft: int) -> Cache:
         if STOCK_LINEAR_ATTENTION_ROLLBACK:
@@ -101,6 +114,43 @@ def _stop_recording(cache: Cache) -> None:
 
 def _left_padded(window: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(window, (width - window.shape[-1], 0))
+
+
+_CROPS_PRESENT_STATES = "_hyperdflash_crops_present_states"
+
+
+def install_crop_of_present_states() -> None:
+    """From 5.25: make `LinearAttentionCacheLayerMixin.crop` skip the states a layer never filled. Upstream's crop
+    cuts every one of `number_of_states` conv windows by `conv_kernel_size[i]`, which is `None` for a state the layer
+    never used: Qwen4-Exp gives every linear layer 3 states when any layer has PLE (`number_of_conv_states`), and a
+    linear layer without PLE fills only the first, so its crop raised `TypeError` (transformers 5.25.0,
+    `cache_utils.py`, `LinearAttentionCacheLayerMixin.crop`), stock prompt lookup included. A process-wide change,
+    like the indexers' tie rule: it alters nothing but a crop that raised. Idempotent, across every copy of the
+    runtime in the process; `tests/test_config_space.py` checks that upstream still needs it."""
+    if STOCK_LINEAR_ATTENTION_ROLLBACK and not getattr(LinearAttentionCacheLayerMixin.crop, _CROPS_PRESENT_STATES, 0):
+        LinearAttentionCacheLayerMixin.crop = _cropping_present_states(LinearAttentionCacheLayerMixin.crop)
+        setattr(LinearAttentionCacheLayerMixin.crop, _CROPS_PRESENT_STATES, True)
+
+
+_NO_WINDOW = torch.empty(0)
+
+
+def _cropping_present_states(crop: Callable) -> Callable:
+    """Upstream's crop, run with an empty, zero-width stand-in for each conv window the layer never filled (its
+    slices stay empty), put back to `None` afterwards, as plain decoding leaves it."""
+
+    @functools.wraps(crop)
+    def crop_present_states(layer: LinearAttentionCacheLayerMixin, tokens_to_remove: int) -> None:
+        absent = [i for i, window in layer.conv_states.items() if window is None]
+        for i in absent:
+            layer.conv_states[i], layer.conv_kernel_size[i] = _NO_WINDOW, 0
+        try:
+            crop(layer, tokens_to_remove)
+        finally:
+            for i in absent:
+                layer.conv_states[i], layer.conv_kernel_size[i] = None, None
+
+    return crop_present_states
 
 
 class Glm5NextTarget(LinearAttentionTarget):

@@ -27,6 +27,11 @@ below is pinned by a test in `tests/test_transformers_internals.py`, run on ever
 - from 5.25, `LinearAttentionLayer` past recording: `crop(-n)` restores `recurrent_states_history[-n]`, so a verify
   forward of `n + 1` tokens must keep `n + 1` states (`target_linear_attention.py`)
   (test_linear_attention_layers_restore_the_recorded_state_n_back)
+- from 5.25, `LinearAttentionCacheLayerMixin.crop` (transformers 5.25.0 `cache_utils.py`) cuts every one of a layer's
+  `number_of_states` conv windows by `conv_kernel_size[i]`, `None` for a state the layer never filled (Qwen4-Exp's
+  PLE states on a linear layer without PLE), and raises `TypeError`: replaced process-wide by a crop of the filled
+  states (`target_linear_attention.install_crop_of_present_states`)
+  (tests/test_config_space.py::test_the_stock_crop_still_needs_the_fix_for_states_a_layer_never_filled)
 - `dynamic_module_utils.get_relative_import_files`: what a saved drafter's entry module imports (`remote_code.py`)
   (test_relative_import_files_follows_the_entry_modules_imports)
 - `GenerationMixin._prepare_generation_config`: the merged config, to refuse bad requests before any work

@@ -23,13 +23,17 @@ import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from hf_hyperdflash import DeepseekV4DSparkForDrafting, DeepseekV4MTPForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.modeling.transformers_compat import CACHE_ARGUMENT
 from hf_hyperdflash.testing import (
+    DEEPSEEK_V4_ONLY_KINDS,
+    DRAFTING_KINDS,
+    OWN_DRAFTER_KINDS,
     OracleProposer,
     assert_same_cache,
     assert_same_outputs,
+    drafting_arguments,
     image_prompt,
+    new_drafter,
     oracle_drafting,
     tiny_deepseek_v4,
     tiny_glm5_next,
@@ -56,16 +60,10 @@ FAMILIES = {
 IMAGE_FAMILIES = ("glm5_next", "qwen4_exp_composite")
 EVERY_FAMILY = tuple(FAMILIES)
 # drafting kind -> the families it runs on (native MTP and DSpark are DeepSeek-V4's own)
-KINDS = {
-    "hyperdflash": EVERY_FAMILY,
-    "vanilla_dflash": EVERY_FAMILY,
-    "hyperdflash_heads": EVERY_FAMILY,  # DSpark's Markov and confidence heads on HyperDFlash
-    "mtp": ("deepseek_v4",),
-    "dspark": ("deepseek_v4",),
-    "prompt_lookup": EVERY_FAMILY,  # transformers' own, on the package's exact path for stateful targets
-    "stock_assistant": EVERY_FAMILY,  # a randomly initialised model of the target's family, transformers' loop
-}
-OWN_DRAFTERS = ("hyperdflash", "vanilla_dflash", "hyperdflash_heads", "mtp", "dspark")
+# (`new_drafter`: the heads hybrid is HyperDFlash with DSpark's heads; a stock assistant is a randomly initialised
+# model of the target's family in transformers' loop; prompt lookup is transformers' own, on the package's exact path)
+KINDS = {kind: ("deepseek_v4",) if kind in DEEPSEEK_V4_ONLY_KINDS else EVERY_FAMILY for kind in DRAFTING_KINDS}
+OWN_DRAFTERS = OWN_DRAFTER_KINDS
 BLOCK_KINDS = ("hyperdflash", "vanilla_dflash", "hyperdflash_heads", "dspark")  # drafts from the oracle
 
 
@@ -198,33 +196,16 @@ class Models:
 
     def drafter(self, family: str, kind: str):
         if (family, kind) not in self.drafters:
-            self.drafters[family, kind] = self._new_drafter(self.target(family), family, kind).eval()
+            self.drafters[family, kind] = new_drafter(self.target(family), kind, BLOCK_SIZE)
+            if kind == "stock_assistant":
+                self.drafters[family, kind].set_attn_implementation("eager")
             # Whole drafts every step unless the case sets a schedule: the options must meet accepted blocks
             self.drafters[family, kind].generation_config.num_assistant_tokens_schedule = "constant"
         return self.drafters[family, kind]
 
-    @staticmethod
-    def _new_drafter(target, family: str, kind: str):
-        torch.manual_seed(1)
-        if kind == "mtp":
-            return DeepseekV4MTPForDrafting.from_target(target)
-        if kind == "dspark":
-            return DeepseekV4DSparkForDrafting.from_target(target, dspark_noise_token_id=3)
-        if kind == "stock_assistant":
-            assistant = FAMILIES[family](100)
-            assistant.set_attn_implementation("eager")
-            assistant.generation_config.num_assistant_tokens = 2
-            return assistant
-        settings = {
-            "hyperdflash": {},
-            "vanilla_dflash": {"reducer": "dense", "conditioning": "intermediate"},
-            "hyperdflash_heads": {"markov_rank": 8},
-        }[kind]
-        return HyperDFlashForDrafting.from_target(target, block_size=BLOCK_SIZE, **settings)
-
     def drafting(self, family: str, kind: str) -> dict:
         if kind == "prompt_lookup":
-            return {"prompt_lookup_num_tokens": 3, "max_matching_ngram_size": 2}
+            return drafting_arguments(self.target(family), kind)
         return {"assistant_model": self.drafter(family, kind)}
 
 
