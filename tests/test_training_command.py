@@ -60,6 +60,12 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
     "dspark_block5": {"drafter_kind", "block_size", "total_steps"},
     "dspark_pre_collapse": {"drafter_kind", "conditioning", "total_steps"},
     "hyperdflash_heads": {"markov_rank", "total_steps"},
+    # the best-drafter ablations (docs/results.md, "The best drafter"), at 2,000 steps
+    "heads_markov_only": {"markov_rank", "confidence_weight", "total_steps"},
+    "heads_confidence_only": {"markov_rank", "markov_bias", "total_steps"},
+    "l1": {"l1_weight", "total_steps"},
+    "heads_l1": {"markov_rank", "l1_weight", "total_steps"},
+    "heads_l1_sampled": {"markov_rank", "l1_weight", "temperature", "data_dir", "total_steps"},
 }
 
 

@@ -13,10 +13,17 @@ import hf_hyperdflash  # noqa: F401  (generate() integration for the tau evaluat
 from hf_hyperdflash import DeepseekV4DSparkForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.loading import load_target
 from hf_hyperdflash.testing import tiny_deepseek_v4
+from hf_hyperdflash.training.collator import BlockCollator
 from hf_hyperdflash.training.curves import read_log
 from hf_hyperdflash.training.loop import LoopConfig
 from hf_hyperdflash.training.losses import LossConfig
-from hf_hyperdflash.training.trainer import DrafterWithFrozenTarget, build_drafter, optimizer_factory, train_drafter
+from hf_hyperdflash.training.trainer import (
+    DrafterWithFrozenTarget,
+    build_drafter,
+    optimizer_factory,
+    train_drafter,
+    without_markov_bias,
+)
 
 PROMPT_LENGTH = 6
 
@@ -251,3 +258,43 @@ def test_hyperdflash_with_dsparks_heads_trains_them_beside_its_own_objective(tmp
     before = drafter.markov_w2.weight.clone()
     train = assert_heads_learn_and_decode_losslessly(target, examples, drafter, tmp_path)
     assert "kl" in train[-1] and not torch.equal(drafter.markov_w2.weight, before)
+
+
+def test_the_l1_term_enters_the_loss_by_its_weight_and_pulls_the_draft_to_the_target(tmp_path):
+    """`l1_weight`: the acceptance-aligned term on a drafter without heads, added to CE + KL by its weight (0: not
+    computed), and it falls when trained."""
+    target, examples = peaked_target_and_examples()
+
+    rows = [example | {"epoch": 0, "index": index} for index, example in enumerate(examples[:2])]
+    batch = BlockCollator(4, 8, pad_token_id=0, seed=0)(rows)
+    batch.pop("num_tokens", None)
+    drafter = new_drafter(target)
+    logged, weighted = (
+        DrafterWithFrozenTarget(drafter, target, LossConfig(l1_weight=weight))(**batch) for weight in (0.0, 0.5)
+    )
+    assert torch.allclose(logged["loss"], logged["ce"] + 0.1 * logged["kl"])
+    assert "l1" not in logged and torch.allclose(weighted["loss"], logged["loss"] + 0.5 * weighted["l1"])
+    assert 0 < float(weighted["l1"]) <= 2
+    losses = LossConfig(l1_weight=1.0)
+    train_drafter(drafter, target, examples, tmp_path, loop(total_steps=30, log_every=5), losses, 8)
+    train = [r for r in read_log(tmp_path / "log.jsonl") if "loss" in r]
+    assert train[-1]["l1"] < train[0]["l1"] - 0.2
+
+
+def test_each_head_alone_trains_the_other_off(tmp_path):
+    """The heads' ablations: confidence_weight=0 freezes the confidence head as it started (the Markov bias alone);
+    `without_markov_bias` keeps the bias at zero through training (the confidence head alone)."""
+    target, examples = peaked_target_and_examples()
+    torch.manual_seed(0)
+    markov_only = HyperDFlashForDrafting.from_target(target, block_size=4, num_hidden_layers=1, markov_rank=8)
+    confidence = markov_only.confidence_head.weight.clone()
+    train_drafter(markov_only, target, examples, tmp_path / "markov", loop(), LossConfig(confidence_weight=0.0), 8)
+    assert torch.equal(markov_only.confidence_head.weight, confidence)
+    torch.manual_seed(0)
+    drafter = HyperDFlashForDrafting.from_target(target, block_size=4, num_hidden_layers=1, markov_rank=8)
+    confidence_only = without_markov_bias(drafter)
+    train_drafter(confidence_only, target, examples, tmp_path / "confidence", loop(), anchors_per_sequence=8)
+    assert not confidence_only.markov_w2.weight.any()
+    assert not torch.equal(confidence_only.confidence_head.weight, confidence)
+    with pytest.raises(ValueError, match="--markov-rank"):
+        without_markov_bias(new_drafter(target))

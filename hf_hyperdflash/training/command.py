@@ -25,7 +25,7 @@ from .losses import LossConfig
 from .options import DEFAULTS, DRAFTER_KINDS, DSPARK, add_train_arguments, resolve_settings
 from .replies import load_replies
 from .telemetry import PROJECT, tracker_config, trackers
-from .trainer import build_drafter, optimizer_factory, train_drafter
+from .trainer import build_drafter, optimizer_factory, train_drafter, without_markov_bias
 
 __all__ = ["DEFAULTS", "DRAFTER_KINDS", "add_train_arguments", "main", "resolve_settings", "run_train"]
 
@@ -92,6 +92,8 @@ def run_train(args: argparse.Namespace) -> Path:
         kl_weight=settings["kl_weight"],
         kl_positions=settings["kl_positions"],
         teacher=settings["teacher"],
+        l1_weight=settings["l1_weight"],
+        confidence_weight=settings["confidence_weight"],
     )
     make_optimizer = optimizer_factory(settings["optimizer"])
     target_path = settings["target"] or _reference_target()
@@ -126,6 +128,8 @@ def run_train(args: argparse.Namespace) -> Path:
         settings["lora_dropout"],
         **_drafter_overrides(settings),
     )
+    if not settings["markov_bias"]:
+        drafter = without_markov_bias(drafter)
     if settings["replies"] is not None:  # generated elsewhere, e.g. by a serving engine
         examples = load_replies(settings["replies"], tokenizer, settings["thinking"], settings["max_length"])
     else:

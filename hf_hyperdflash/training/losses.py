@@ -9,6 +9,12 @@ predicts token a + k, which the target predicts at position a + k - 1; from k = 
 ground-truth tokens the drafter only sees as masks, so distilling there pulls in conflicting directions.
 The teacher is `lm_head(norm(mean over mHC streams))` (the paper's choice) or `lm_head(norm(hc_head(.)))`,
 the target's real, gated output.
+
+The acceptance-aligned term (`l1_weight` > 0) is DSpark's: at every slot, the L1 distance between the draft's and the
+target's real next-token distributions, weighted by the same slot decay. A sampled draft is accepted with probability
+1 - L1 / 2 (speculative sampling's acceptance is one minus the total variation), so this is the quantity sampled
+decoding pays for; unlike the KL it does not conflict at later slots, since it compares against the target's
+distribution given the block's real earlier tokens, which is what verification conditions on once those were accepted.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class LossConfig:
     kl_weight: float = 0.1  # alpha; 0 keeps the KL as a logged diagnostic only
     kl_positions: int = 2  # slots k = 1..kl_positions get the KL term
     teacher: str = "mean_pool"  # "mean_pool" (paper) | "gated" (the target's real logits)
+    l1_weight: float = 0.0  # the acceptance-aligned L1 term at every slot; 0 logs it only where it is computed
+    confidence_weight: float = 1.0  # DSpark's confidence head's BCE, for drafters with the heads
 
     def __post_init__(self):
         if self.teacher not in TEACHERS:
@@ -37,6 +45,10 @@ class LossConfig:
             raise ValueError(f"`gamma` must be > 0 (math.inf for uniform weights), got {self.gamma!r}.")
         if self.kl_weight < 0 or self.kl_positions < 1:
             raise ValueError(f"Need kl_weight >= 0 and kl_positions >= 1, got {self.kl_weight}, {self.kl_positions}.")
+        if self.l1_weight < 0 or self.confidence_weight < 0:
+            raise ValueError(
+                f"Need l1_weight >= 0 and confidence_weight >= 0, got {self.l1_weight}, {self.confidence_weight}."
+            )
 
 
 def default_gamma(block_size: int) -> float:
@@ -119,14 +131,24 @@ def accuracy_terms(log_q: torch.Tensor, labels: torch.LongTensor, valid: torch.T
     return terms
 
 
+def distribution_l1(log_q: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Per slot, the L1 distance between the draft's (`log_q`) and the target's (`teacher` logits) next-token
+    distributions: twice the total variation, so a sampled draft is accepted with probability 1 - L1 / 2."""
+    return (log_q.exp() - teacher.float().softmax(dim=-1)).abs().sum(dim=-1)
+
+
+def l1_term(log_q: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`distribution_l1`'s mean over slots, weighted by `weights` (the slot decay, 0 on unlabelled slots)."""
+    return (distribution_l1(log_q, teacher) * weights).sum() / weights.sum().clamp(min=1e-8)
+
+
 def acceptance_terms(
     log_q: torch.Tensor, teacher: torch.Tensor, confidence_logits: torch.Tensor, weights: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """DSpark's distribution terms, weighted means over slots: "l1", the distance between the draft's (`log_q`) and
-    the target's (`teacher` logits) next-token distributions, and "confidence", the BCE of the confidence head's
-    logits against the acceptance rate that distance gives (1 - L1 / 2, detached)."""
+    """DSpark's distribution terms, weighted means over slots: "l1" (`l1_term`) and "confidence", the BCE of the
+    confidence head's logits against the acceptance rate that distance gives (1 - L1 / 2, detached)."""
     total = weights.sum().clamp(min=1e-8)
-    l1 = (log_q.exp() - teacher.float().softmax(dim=-1)).abs().sum(dim=-1)
+    l1 = distribution_l1(log_q, teacher)
     acceptance = (1 - l1 / 2).detach().clamp(0, 1)
     bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), acceptance, reduction="none")
     return {"l1": (l1 * weights).sum() / total, "confidence": (bce * weights).sum() / total}

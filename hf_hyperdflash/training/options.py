@@ -82,6 +82,9 @@ DEFAULTS = {
     "kl_weight": 0.1,
     "kl_positions": 2,
     "teacher": "mean_pool",
+    "l1_weight": 0.0,
+    "confidence_weight": 1.0,
+    "markov_bias": True,
     # loop
     "total_steps": 2000,
     "batch_size": 4,
@@ -278,6 +281,27 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "KL teacher: mean_pool = lm_head(norm(mean of mHC streams)) (paper); gated = lm_head(norm(hc_head(.))), "
         "the target's real logits.",
         choices=list(TEACHERS),
+    )
+    _option(
+        loss,
+        "--l1-weight",
+        "Weight of the acceptance-aligned term: at every slot, the L1 distance between the draft's and the target's "
+        "next-token distributions (1 - L1/2 is a sampled draft's acceptance), with the CE's slot decay. DSpark "
+        "trains with DeepSpec's fixed weights instead.",
+        type=float,
+    )
+    _option(
+        loss,
+        "--confidence-weight",
+        "Weight of the confidence head's loss (with --markov-rank > 0; 0 leaves the head untrained).",
+        type=float,
+    )
+    _option(
+        loss,
+        "--markov-bias",
+        "With --markov-rank > 0: --no-markov-bias keeps the Markov head's bias at zero (frozen), leaving the "
+        "confidence head alone; an ablation.",
+        action=flag,
     )
 
     loop = parser.add_argument_group("loop")

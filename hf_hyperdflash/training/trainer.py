@@ -30,7 +30,15 @@ from .collator import BlockCollator
 from .curves import plot_curves
 from .dspark import DSparkWithFrozenTarget
 from .loop import EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
-from .losses import LossConfig, acceptance_terms, block_losses, block_terms, slot_weights, teacher_logits
+from .losses import (
+    LossConfig,
+    acceptance_terms,
+    block_losses,
+    block_terms,
+    l1_term,
+    slot_weights,
+    teacher_logits,
+)
 from .options import DSPARK as DSPARK_KIND
 
 # The draft layers' projections (attention and SwiGLU); the reducer, norms and mask embedding stay frozen.
@@ -91,6 +99,17 @@ def build_drafter(
     return get_peft_model(drafter, config)
 
 
+def without_markov_bias(drafter: HyperDFlashForDrafting) -> HyperDFlashForDrafting:
+    """The heads with the Markov bias off: `markov_w2` zero and frozen, so drafts get no bias from the previous token
+    in training or decoding, while the confidence head still reads its embedding (an ablation of the two heads)."""
+    if not drafter.config.markov_rank:
+        raise ValueError("The Markov bias is one of DSpark's heads: pass --markov-rank > 0 with --no-markov-bias.")
+    with torch.no_grad():
+        drafter.markov_w2.weight.zero_()
+    drafter.markov_w2.weight.requires_grad_(False)
+    return drafter
+
+
 def new_dspark(target: PreTrainedModel, **dspark) -> DeepseekV4DSparkForDrafting:
     """An untrained DSpark for `target` whose noise token is the target's padding token, and whose Markov rank is
     DeepSeek's ratio to the hidden size (256 at 4096) unless `dspark` sets them."""
@@ -125,6 +144,10 @@ class DrafterWithFrozenTarget(nn.Module):
         config = drafter.config
         self.layer_ids = list(config.target_layer_ids) if config.conditioning == "intermediate" else None
         self.with_heads = config.markov_rank > 0
+        if self.with_heads and not losses.confidence_weight:  # the Markov bias alone: the confidence head untouched
+            _draft_model(drafter).confidence_head.requires_grad_(False)
+        # The target's real logits at every slot: the confidence head's label, and the L1 term's teacher
+        self.every_slot = self.with_heads or losses.l1_weight > 0
 
     @torch.no_grad()
     def _target_pass(self, input_ids: torch.LongTensor, anchor_positions: torch.LongTensor):
@@ -139,8 +162,8 @@ class DrafterWithFrozenTarget(nn.Module):
             teacher = teacher_logits(
                 self.target, final.features(), anchor_positions, self.losses.kl_positions, self.losses.teacher
             )
-            every_slot = None  # DSpark's heads: the confidence head learns each slot's acceptance of the real logits
-            if self.with_heads:
+            every_slot = None
+            if self.every_slot:
                 drafted = self.drafter.config.block_size - 1
                 every_slot = teacher_logits(self.target, final.features(), anchor_positions, drafted, "gated")
         return features, teacher, every_slot, self.target.embed_tokens(input_ids.gather(1, anchor_positions))
@@ -167,6 +190,11 @@ class DrafterWithFrozenTarget(nn.Module):
         logits = lm_head(drafted.to(activation_dtype(lm_head, drafted.dtype)))
         if every_slot is None:
             return block_losses(logits, labels, teacher, self.losses)
+        weights = slot_weights(labels, self.losses.gamma)
+        if not self.with_heads:
+            log_q = logits.float().log_softmax(dim=-1)
+            terms = block_terms(log_q, labels, teacher, self.losses) | {"l1": l1_term(log_q, every_slot, weights)}
+            return terms | {"loss": terms["loss"] + self.losses.l1_weight * terms["l1"]}
         # DSpark's heads: the Markov bias of each slot's previous token (teacher-forced) and the confidence loss
         anchors = input_ids.gather(1, anchor_positions)
         previous = torch.cat([anchors.unsqueeze(-1), labels[..., :-1].clamp(min=0)], dim=-1)
@@ -176,8 +204,9 @@ class DrafterWithFrozenTarget(nn.Module):
         terms = block_terms(log_q, labels, teacher, self.losses)
         residual = out.residual.unflatten(1, (blocks, -1))[:, :, 1:]
         confidence_logits = drafter.confidence_logit(residual, markov_embedding)
-        heads = acceptance_terms(log_q, every_slot, confidence_logits, slot_weights(labels, self.losses.gamma))
-        return terms | heads | {"loss": terms["loss"] + heads["confidence"]}
+        heads = acceptance_terms(log_q, every_slot, confidence_logits, weights)
+        extra = self.losses.l1_weight * heads["l1"] + self.losses.confidence_weight * heads["confidence"]
+        return terms | heads | {"loss": terms["loss"] + extra}
 
 
 def _batch_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
