@@ -53,7 +53,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from .plan import expected_speedup, layer_timings, load_target_config, sizes
+    from .plan import expected_speedup, layer_timings, load_target_config, sizes, target_bytes_per_process
 
     target_config = load_target_config(args.target_config)
     overrides = {"block_size": args.block_size, "num_hidden_layers": args.num_layers}
@@ -61,6 +61,7 @@ def _plan(args: argparse.Namespace) -> int:
         overrides["context_window"] = args.context_window or None
     report = {"target": args.target_config or "DeepseekV4Config() defaults (DeepSeek-V4-Flash)"}
     report |= sizes(target_config, overrides, args.dtype, args.batch_size, args.seq_len)
+    report["target_weight_bytes_per_process"] = target_bytes_per_process(target_config, args.processes, args.dtype)
     if args.timing:
         timings = layer_timings(target_config, overrides)
         report["cpu_seconds"] = timings
@@ -132,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-size", type=int, default=8, help="training sequences per process (default: 8)")
     plan.add_argument("--seq-len", type=int, default=4096, help="training sequence length (default: 4096)")
     plan.add_argument("--tau", type=float, default=3.69, help="tau to plan with (default: the paper's, 3.69)")
+    plan.add_argument(
+        "--processes",
+        type=int,
+        default=8,
+        help="processes transformers' TP / EP plans spread the target over (torchrun; default: %(default)s)",
+    )
     plan.add_argument(
         "--timing", action=argparse.BooleanOptionalAction, default=True, help="time the layers on this CPU"
     )

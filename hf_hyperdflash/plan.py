@@ -9,10 +9,15 @@ only the experts one token routes to, so it fits in memory) against one draft la
 with t_step = L * t_layer(1) + t_head(1), t_verify(k+1) = L * t_layer(k+1) + t_head(k+1) and
 t_draft = n_draft * t_draft_layer + t_head(k). On a GPU a longer verify costs little more than one step, so
 the CPU figure is a floor for what the same tau gives there.
+
+Spread over processes by transformers' own plans (`docs/distributed.md`), a target weight that the model's tensor
+parallel plan (`_tp_plan`: the family's `base_model_tp_plan`, the embedding and LM head) or expert parallel plan
+(`_ep_plan`) names is split over the processes; every other weight, and the drafter, is whole on each.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from pathlib import Path
@@ -78,6 +83,27 @@ def sizes(target_config: PretrainedConfig, drafter_overrides: dict, dtype: str, 
         "captured_feature_bytes_per_token": features_per_token,
         "training_bytes_per_process": {"batch": batch, "seq_len": seq_len, **training},
     }
+
+
+def _planned(plan: dict[str, str]) -> re.Pattern:
+    """Parameter names under any module a parallel plan names (`model.layers.*.mlp.experts`, `*` a layer index)."""
+    modules = [re.escape(name).replace(r"\*", r"\d+") for name in plan]
+    return re.compile(rf"(?:{'|'.join(modules)})(?:\..+)?" if modules else r"(?!)")
+
+
+def target_bytes_per_process(target_config: PretrainedConfig, processes: int, dtype: str) -> dict:
+    """Target weight bytes on each of `processes` ranks when transformers spreads it by its TP plan, its EP plan, or
+    both (`hf_hyperdflash.distributed.PARALLEL_PLANS`)."""
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(target_config)
+    plans = {"tp": _planned(model._tp_plan or {}), "ep": _planned(model._ep_plan or {})}
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    per_process = {}
+    for parallel in ("tp", "ep", "tp+ep"):
+        split = [plans[part] for part in parallel.split("+")]
+        elements = sum(n / processes if any(p.fullmatch(name) for p in split) else n for name, n in sizes.items())
+        per_process[parallel] = int(elements * BYTES[dtype])
+    return {"processes": processes, **per_process}
 
 
 def _median_seconds(fn, repeats: int = 9) -> float:

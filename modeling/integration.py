@@ -18,6 +18,7 @@ or speculative sampling), logits processors, stopping criteria and streaming sta
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import os
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import transformers.generation.utils as generation_utils
 from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedModel
 
 from . import call_scope
@@ -40,6 +42,7 @@ from .draft_policy import CallSchedule
 from .generation_stats import GenerationStats, synchronized_clock
 from .indexer_ties import install_deterministic_indexer
 from .output_split import outputs_split_per_token
+from .rank_agreement import check_ranks_agree, rank_zero_verdict, spread_group, tensor_fingerprint, weights_fingerprint
 from .request_checks import (
     check_cached_prefix,
     check_compatible,
@@ -92,6 +95,15 @@ class GenerateRequest:
     def input_ids(self) -> torch.LongTensor | None:
         inputs = self.arguments.get("inputs")
         return inputs if inputs is not None else self.kwargs.get("input_ids")
+
+    def fingerprints(self, drafter: torch.nn.Module | None) -> dict[str, str]:
+        """What every rank of a spread target must pass alike (`rank_agreement.check_ranks_agree`)."""
+        return {
+            "prompts": tensor_fingerprint(self.input_ids),
+            "attention masks": tensor_fingerprint(self.kwargs.get("attention_mask")),
+            "generation settings": hashlib.sha256(self.generation_config.to_json_string().encode()).hexdigest()[:16],
+            "drafter weights": weights_fingerprint(drafter),
+        }
 
     @property
     def new_token_budget(self) -> int:
@@ -177,6 +189,8 @@ def _exact_assisted_call(
     if no_attentions:  # transformers' assisted loop would index the empty attentions a non-eager model returns
         kwargs["output_attentions"] = False
     stateful = getattr(type(target.model), "_is_stateful", False)
+    group = spread_group(target.model)
+    sampling_across_ranks = group is not None and request.generation_config.do_sample
     try:
         with (
             call_scope.lifted_stateful_guard(target.model) if stateful else nullcontext(),
@@ -187,6 +201,9 @@ def _exact_assisted_call(
             ),
             target.verify_as_decoding(prompt_length, request.positions_may_lag_cache, cache),
             outputs_split_per_token(target.one_token_key_columns, target.prompt_key_columns, cached_length(cache)),
+            call_scope.functions(generation_utils, _speculative_sampling=rank_zero_verdict(group))
+            if sampling_across_ranks
+            else nullcontext(),
         ):
             output = original_generate(target.model, **arguments, **kwargs)
         output = stopping[0].finish(output, cache, prompt_length)
@@ -198,6 +215,7 @@ def _exact_assisted_call(
 
 
 def speculative_generate(original_generate: Callable, request: GenerateRequest, drafter: PreTrainedModel):
+    check_ranks_agree(request.model, **request.fingerprints(drafter))  # first: a rank must not raise alone
     start = synchronized_clock()
     check_internals()
     target = get_target_adapter(request.model)
@@ -305,6 +323,8 @@ def _keep_states_for_each_draft(generator, target: HyperConnectionTarget, cache:
 def stock_drafting_generate(original_generate: Callable, request: GenerateRequest):
     """Prompt lookup or a stock assistant (transformers' own candidate generators) on an mHC target: the target, and
     a stateful assistant, get caches that roll back exactly."""
+    assistant = request.arguments.get("assistant_model")
+    check_ranks_agree(request.model, **request.fingerprints(assistant))  # first: a rank must not raise alone
     check_internals()
     target = get_target_adapter(request.model)
     target.check_servable()
@@ -316,7 +336,6 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
     input_ids = request.input_ids
     if input_ids is None or input_ids.shape[0] != 1:
         raise ValueError("Prompt lookup and assistants decode one prompt at a time: pass `input_ids` of batch size 1.")
-    assistant = request.arguments.get("assistant_model")
     config = request.generation_config
     if assistant is None:
         max_draft = config.prompt_lookup_num_tokens

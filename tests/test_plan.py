@@ -7,7 +7,7 @@ import torch
 
 from hf_hyperdflash import HyperDFlashForDrafting
 from hf_hyperdflash.cli import main
-from hf_hyperdflash.plan import expected_speedup, layer_timings, sizes
+from hf_hyperdflash.plan import expected_speedup, layer_timings, sizes, target_bytes_per_process
 
 
 def test_sizes_match_real_models_and_a_filled_cache(target):
@@ -51,3 +51,18 @@ def test_plan_command_on_a_saved_config(target, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--target-config", str(tmp_path / "missing.json")])
     assert exit_info.value.code == 2
+
+
+def test_bytes_per_process_split_what_each_plan_names_and_keep_the_rest_whole(target):
+    """The tiny V4's TP plan names the shared experts, the embedding and the LM head, its EP plan the routed
+    experts."""
+    config = target.config
+    whole = sum(p.numel() for p in target.parameters()) * 4
+    assert target_bytes_per_process(config, 1, "float32") == {"processes": 1, "tp": whole, "ep": whole, "tp+ep": whole}
+    routed = sum(p.numel() for n, p in target.named_parameters() if ".mlp.experts." in f"{n}.") * 4
+    shared = sum(p.numel() for n, p in target.named_parameters() if ".mlp.shared_experts." in n) * 4
+    split = shared + (target.lm_head.weight.numel() + target.model.embed_tokens.weight.numel()) * 4
+    spread = target_bytes_per_process(config, 2, "float32")
+    assert spread["ep"] == whole - routed // 2
+    assert spread["tp"] == whole - split // 2
+    assert spread["tp+ep"] == whole - (routed + split) // 2

@@ -226,6 +226,16 @@ def test_speculative_sampling_is_a_module_function_fed_the_drafters_logits():
     assert [arg.id for arg in call.args] == parameters[:4]
 
 
+def test_a_spread_model_carries_its_device_mesh_and_sampled_verdicts_come_back_as_tokens_and_a_count():
+    """`rank_agreement`: a model transformers spreads gets `_device_mesh` (None otherwise), and
+    `_speculative_sampling` returns `(valid_tokens, n_matches)`, which the assisted loop unpacks."""
+    from transformers.distributed.mixin import DistributedMixin
+
+    assert DistributedMixin._device_mesh is None
+    assert "model._device_mesh = " in inspect.getsource(DistributedMixin.maybe_distribute_model)
+    assert "valid_tokens, n_matches = _speculative_sampling(" in inspect.getsource(GenerationMixin._assisted_decoding)
+
+
 def test_prepare_generation_config_returns_the_merged_config_and_model_kwargs():
     model = tiny_deepseek_v4()
     parameters = inspect.signature(model._prepare_generation_config).parameters

@@ -183,6 +183,19 @@ def paired_speed_ratio(
     )
 
 
+def median_with_interval(
+    per_prompt: Sequence[float], confidence: float = 0.95, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float, float]:
+    """The median of per-prompt ratios (each already paired within its prompt, e.g. plain time over speculative
+    time) and its percentile bootstrap interval over prompts; NaN bounds below two prompts."""
+    values = np.array(per_prompt, dtype=np.float64)
+    median = float(np.median(values)) if len(values) else math.nan
+    if len(values) < 2:
+        return median, math.nan, math.nan
+    statistic = lambda sample, axis=-1: np.median(sample, axis=axis)  # noqa: E731
+    return median, *_interval((values,), statistic, confidence, resamples, seed, ("percentile",))
+
+
 def schedule_pairs(method_names: list[str]) -> list[tuple[str, str]]:
     """(NAME, NAME-schedule) for every method run under the default schedule and another one (`build_methods`'
     names)."""

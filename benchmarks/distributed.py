@@ -1,0 +1,82 @@
+"""tau and speedup of speculative decoding over the same distributed plain decoding, with the shipped reference
+target spread over processes by transformers' tensor-parallel plan (2 CPU processes over gloo by default).
+
+    python benchmarks/distributed.py                      # relaunches itself: torchrun --nproc_per_node 2
+    python benchmarks/distributed.py --parallel tp+ep --prompts 8 --repeats 3
+
+Per held-out ShareGPT prompt and shipped drafter (plus prompt lookup), plain and speculative greedy calls alternate
+`--repeats` times (both sides barrier-synchronised across ranks, timed by rank 0's clock); the speedup of a prompt is
+the median over its repeats of plain time over speculative time. Printed per drafter: tau (mean over prompts), the
+median speedup over prompts with its 95% percentile bootstrap interval over prompts, and how many greedy outputs
+were identical to plain decoding on every rank. A speedup whose interval holds 1.00 is a tie.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from hf_hyperdflash import reference
+from hf_hyperdflash.distributed import (
+    PARALLEL_PLANS,
+    PROMPT_LOOKUP,
+    compare,
+    gather,
+    load_drafters,
+    load_spread_target,
+)
+from hf_hyperdflash.evaluation.paired import median_with_interval
+from hf_hyperdflash.prompts import encode_prompt, load_prompts
+
+
+def relaunch_under_torchrun(processes: int) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), *sys.argv]
+    raise SystemExit(subprocess.run(command, check=False).returncode)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, default=2, help="processes torchrun starts (one node)")
+    parser.add_argument("--parallel", choices=PARALLEL_PLANS, default="tp")
+    parser.add_argument("--prompts", type=int, default=6, help="held-out ShareGPT prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = parser.parse_args()
+    if "WORLD_SIZE" not in os.environ:
+        relaunch_under_torchrun(args.processes)
+    torch.set_num_threads(args.threads)
+    target = load_spread_target(reference.target_path(), args.parallel)
+    tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
+    specs = [f"{kind}={reference.drafter_path(kind)}" for kind in reference.DRAFTER_KINDS]
+    specs += [f"mtp={reference.mtp_path()}", f"dspark={reference.dspark_path()}", PROMPT_LOOKUP]
+    drafters = load_drafters(specs)
+    prompts = [encode_prompt(tokenizer, m, False) for m in load_prompts("sharegpt", "held_out", args.prompts)]
+    rows = {name: [] for name in drafters}
+    for index, prompt in enumerate(prompts):
+        for name, drafter in drafters.items():
+            ids = torch.tensor([prompt])
+            rows[name].append(compare(target, ids, drafter, 0.0, args.max_new_tokens, args.repeats, seed=index))
+    every_rank = {name: gather([r["identical"] for r in results]) for name, results in rows.items()}
+    identical = {name: sum(all(flags) for flags in zip(*ranks, strict=True)) for name, ranks in every_rank.items()}
+    if dist.get_rank() == 0:
+        print(f"{args.parallel} over {dist.get_world_size()} processes, {len(prompts)} prompts, T=0, reference pair")
+        print("| method | tau | speedup over distributed plain decoding | identical on every rank |")
+        print("|---|---|---|---|")
+        for name, results in rows.items():
+            taus = [r["tau"] for r in results if r["tau"] is not None]
+            tau = f"{statistics.fmean(taus):.2f}" if taus else "-"
+            median, low, high = median_with_interval([r["speedup"] for r in results])
+            print(f"| {name} | {tau} | {median:.2f}x ({low:.2f}-{high:.2f}) | {identical[name]}/{len(results)} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Speculative decoding with a target spread over processes by transformers' own tensor and expert parallel plans.
+
+    torchrun --nproc_per_node 8 -m hf_hyperdflash.distributed --target PATH --drafter hyperdflash=DIR
+    torchrun --nnodes 2 --nproc_per_node 8 --node-rank N --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m hf_hyperdflash.distributed --target PATH --drafter hyperdflash=DIR --parallel tp+ep
+
+Every process loads the target with `from_pretrained(..., distributed_config=...)` (its TP plan, its EP plan, or
+both) and the drafters whole (they are small: every rank keeps a copy), and runs the same generate() calls. For each
+drafter (a saved drafter directory, or `prompt_lookup`), greedy and at T=1, plain and speculative, interleaved: rank 0
+prints tau, the speedup over the same distributed plain decoding, whether greedy output was identical to it, and
+whether every rank got the same tokens (the ranks are seeded differently on purpose: the package makes them agree).
+`--output FILE` writes the same as JSON. Without `--target`/`--drafter`: the shipped reference pair. On CPU the
+processes talk over gloo (`torchrun --nproc_per_node 2` runs on one machine without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModel, PreTrainedModel
+from transformers.distributed import DistributedConfig
+
+from . import reference
+from .loading import target_auto_class
+
+PARALLEL_PLANS = ("tp", "ep", "tp+ep")
+PROMPT_LOOKUP = "prompt_lookup"
+PROMPT_LOOKUP_TOKENS = 4
+
+
+def distributed_config(parallel: str, world_size: int) -> DistributedConfig:
+    """transformers' settings for `parallel` over `world_size` processes: the family's tensor-parallel plan ("tp"),
+    its expert-parallel plan ("ep", every other weight replicated), or both (experts by EP, the rest by TP)."""
+    if parallel not in PARALLEL_PLANS:
+        raise ValueError(f"`parallel` must be one of {PARALLEL_PLANS}, got {parallel!r}.")
+    if parallel == "tp":
+        return DistributedConfig(tp_plan="auto")
+    if parallel == "ep":
+        return DistributedConfig(tp_plan={}, tp_size=world_size, ep_size=world_size)
+    return DistributedConfig(tp_plan="auto", ep_size=world_size)
+
+
+def load_spread_target(path: str | Path, parallel: str = "tp", dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The target at `path` spread over this job's processes (run under `torchrun`) by `parallel`."""
+    config = distributed_config(parallel, int(os.environ["WORLD_SIZE"]))
+    return target_auto_class(path).from_pretrained(path, dtype=dtype, distributed_config=config).eval()
+
+
+def gather(value: object) -> list:
+    """`value` from every rank, in rank order."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def drafting_arguments(drafter: PreTrainedModel | str) -> dict:
+    if drafter == PROMPT_LOOKUP:
+        return {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
+    return {"assistant_model": drafter}
+
+
+def timed_generate(target: PreTrainedModel, prompt: torch.Tensor, **kwargs) -> tuple[torch.Tensor, float]:
+    dist.barrier()
+    start = time.perf_counter()
+    output = target.generate(prompt, **kwargs)
+    dist.barrier()
+    return output, time.perf_counter() - start
+
+
+def compare(target, prompt, drafter, temperature: float, max_new_tokens: int, repeats: int, seed: int) -> dict:
+    """Plain and speculative decoding of `prompt`, interleaved `repeats` times; every rank seeded `seed + rank`."""
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    settings = {"max_new_tokens": max_new_tokens, **sampling}
+    plain_seconds, speculative_seconds, taus = [], [], []
+    for repeat in range(repeats):
+        torch.manual_seed(seed + repeat + 1000 * dist.get_rank())
+        plain, seconds = timed_generate(target, prompt, **settings)
+        plain_seconds.append(seconds)
+        torch.manual_seed(seed + repeat + 1000 * dist.get_rank())
+        speculative, seconds = timed_generate(target, prompt, **settings, **drafting_arguments(drafter))
+        speculative_seconds.append(seconds)
+        if drafter != PROMPT_LOOKUP:
+            taus.append(drafter.last_generation_stats.mean_accepted_length)
+    sequences = gather(speculative[0].tolist())
+    return {
+        "identical": bool(torch.equal(plain, speculative)) if temperature == 0 else None,
+        "ranks_agree": all(tokens == sequences[0] for tokens in sequences),
+        "tau": statistics.median(taus) if taus else None,
+        "speedup": statistics.median(p / s for p, s in zip(plain_seconds, speculative_seconds, strict=True)),
+    }
+
+
+def load_drafters(specs: list[str]) -> dict:
+    drafters = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if name == PROMPT_LOOKUP:
+            drafters[name] = PROMPT_LOOKUP
+        elif not path:
+            raise ValueError(f"--drafter takes NAME=DIR (or {PROMPT_LOOKUP}), got {spec!r}.")
+        else:
+            drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+    return drafters
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", help="Target directory or Hub id (default: the shipped reference target).")
+    parser.add_argument(
+        "--drafter", action="append", help=f"NAME=DIR, or {PROMPT_LOOKUP} (repeatable; default: the shipped drafters)."
+    )
+    parser.add_argument("--parallel", choices=PARALLEL_PLANS, default="tp", help="How the target is spread.")
+    parser.add_argument("--prompt-ids", default="5,17,33,9,250,11,12,40,77,3,19,23,8,101,44,6", help="Token ids.")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--repeats", type=int, default=1, help="Interleaved plain/speculative pairs per drafter.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process.")
+    parser.add_argument("--output", type=Path, help="Also write the results as JSON (rank 0).")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target = load_spread_target(args.target or reference.target_path(), args.parallel)
+    specs = args.drafter or [
+        *(f"{kind}={reference.drafter_path(kind)}" for kind in reference.DRAFTER_KINDS),
+        f"mtp={reference.mtp_path()}",
+        f"dspark={reference.dspark_path()}",
+        PROMPT_LOOKUP,
+    ]
+    drafters = load_drafters(specs)
+    prompt = torch.tensor([[int(token) for token in args.prompt_ids.split(",")]])
+    results = []
+    for name, drafter in drafters.items():
+        for temperature in args.temperatures:
+            row = compare(target, prompt, drafter, temperature, args.max_new_tokens, args.repeats, args.seed)
+            results.append({"drafter": name, "temperature": temperature, **row})
+    if dist.get_rank() == 0:
+        print(f"{dist.get_world_size()} processes, {args.parallel}, {type(target).__name__}")
+        for row in results:
+            tau = "-" if row["tau"] is None else f"{row['tau']:.2f}"
+            print(
+                f"{row['drafter']:>16} T={row['temperature']:g}: tau {tau}, speedup {row['speedup']:.2f}x, "
+                f"identical to plain {row['identical']}, ranks agree {row['ranks_agree']}"
+            )
+        if args.output:
+            args.output.write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

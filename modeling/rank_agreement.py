@@ -1,0 +1,96 @@
+"""Speculative decoding on a target spread over processes by transformers' tensor or expert parallel plans (under
+`torchrun`, one process per device, on one node or several): the ranks must agree on every token.
+
+Every rank runs the same generate() and the target's forwards meet in collectives, so a rank that drafts, accepts or
+samples another token than the others desynchronises the job (wrong shards combined, or a collective that waits
+forever). Given the same prompt, drafter and settings the ranks compute the same features, drafts and logits (a
+tensor-parallel reduction hands every rank the same sum), so what can part them is what differs per process:
+
+- before anything else, one collective compares fingerprints of the prompt, the settings and the drafter's weights
+  (`check_ranks_agree`), and if they differ every rank raises the same `ValueError` (a rank raising alone would leave
+  the others waiting in the target's first collective);
+- one rank decides the randomness: rank 0's random state goes to every rank (`share_random_state`), and when
+  sampling, rank 0's verdict on each step's drafts (transformers' `_speculative_sampling`) is the one every rank keeps
+  (`rank_zero_verdict`).
+
+The ranks are those of the default process group: every rank of the job runs the call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def spread_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group a target spread by transformers (`from_pretrained(tp_plan=...)` or a `distributed_config`,
+    which set its `_device_mesh`) runs in; None for a target in one process."""
+    if getattr(model, "_device_mesh", None) is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.group.WORLD
+
+
+def tensor_fingerprint(tensor: torch.Tensor | None) -> str:
+    """A short digest of a small tensor's shape and values (a prompt, a mask)."""
+    if tensor is None:
+        return "none"
+    data = tensor.detach().cpu().contiguous()
+    return hashlib.sha256(repr(tuple(data.shape)).encode() + data.numpy().tobytes()).hexdigest()[:16]
+
+
+def weights_fingerprint(model: nn.Module | None) -> str:
+    """A digest of a model's parameter names, shapes and per-parameter sums and sums of squares (float64): cheap
+    enough for every call, and a weight that differs on one rank changes it."""
+    if model is None:
+        return "none"
+    with torch.no_grad():
+        sums = [torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()]
+        values = torch.stack(sums).cpu().tolist() if sums else []
+    names = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    return hashlib.sha256(json.dumps([names, values]).encode()).hexdigest()[:16]
+
+
+def check_ranks_agree(model: nn.Module, **fingerprints: str) -> None:
+    """On a spread target: raise the same `ValueError` on every rank, naming what differs, if the ranks' fingerprints
+    differ; else give every rank rank 0's random state. A no-op in one process."""
+    group = spread_group(model)
+    if group is None:
+        return
+    everyone: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, fingerprints, group=group)
+    differing = sorted(name for name in fingerprints if len({ranks[name] for ranks in everyone}) > 1)
+    if differing:
+        raise ValueError(
+            f"The {len(everyone)} processes running this spread target called generate() with different "
+            f"{', '.join(differing)}: every rank must pass the same prompt and settings, and load the drafter from "
+            "the same files (a drafter trained or changed on one rank only differs)."
+        )
+    share_random_state(group)
+
+
+def share_random_state(group: dist.ProcessGroup) -> None:
+    """Every rank continues from rank 0's random state (CPU, and the current CUDA device's), so whatever each rank
+    samples from the same distributions, it samples the same."""
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None]
+    dist.broadcast_object_list(states, src=dist.get_global_rank(group, 0), group=group)
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1])
+
+
+def rank_zero_verdict(group: dist.ProcessGroup) -> Callable:
+    """A replacement for transformers' `_speculative_sampling` (`call_scope.functions`): rank 0's accepted tokens and
+    count, broadcast to every rank, whatever the others drew."""
+
+    def verify(original: Callable, *args, **kwargs):
+        valid_tokens, n_matches = original(*args, **kwargs)
+        verdict = [valid_tokens.cpu(), int(n_matches)]
+        dist.broadcast_object_list(verdict, src=dist.get_global_rank(group, 0), group=group)
+        return verdict[0].to(valid_tokens.device), torch.as_tensor(verdict[1], device=n_matches.device)
+
+    return verify
