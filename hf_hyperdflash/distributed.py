@@ -35,21 +35,33 @@ PROMPT_LOOKUP = "prompt_lookup"
 PROMPT_LOOKUP_TOKENS = 4
 
 
-def distributed_config(parallel: str, world_size: int) -> DistributedConfig:
-    """transformers' settings for `parallel` over `world_size` processes: the family's tensor-parallel plan ("tp"),
-    its expert-parallel plan ("ep", every other weight replicated), or both (experts by EP, the rest by TP)."""
+def distributed_config(parallel: str, group_size: int, replicas: int = 1) -> DistributedConfig:
+    """transformers' settings for `parallel` over `group_size` processes per copy of the target, `replicas` copies
+    (training: each copy's group sees its own batch): the family's tensor-parallel plan ("tp"), its expert-parallel
+    plan ("ep", every other weight whole on each rank), or both (experts by EP, the rest by TP)."""
     if parallel not in PARALLEL_PLANS:
         raise ValueError(f"`parallel` must be one of {PARALLEL_PLANS}, got {parallel!r}.")
+    sizes = {"tp_size": group_size, "dp_replicate_size": replicas}
     if parallel == "tp":
-        return DistributedConfig(tp_plan="auto")
+        return DistributedConfig(tp_plan="auto", **sizes)
     if parallel == "ep":
-        return DistributedConfig(tp_plan={}, tp_size=world_size, ep_size=world_size)
-    return DistributedConfig(tp_plan="auto", ep_size=world_size)
+        return DistributedConfig(tp_plan={}, ep_size=group_size, **sizes)
+    return DistributedConfig(tp_plan="auto", ep_size=group_size, **sizes)
 
 
-def load_spread_target(path: str | Path, parallel: str = "tp", dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The target at `path` spread over this job's processes (run under `torchrun`) by `parallel`."""
-    config = distributed_config(parallel, int(os.environ["WORLD_SIZE"]))
+def load_spread_target(
+    path: str | Path, parallel: str = "tp", dtype: torch.dtype | str = torch.float32, group_size: int | None = None
+) -> PreTrainedModel:
+    """The target at `path` spread by `parallel` over groups of `group_size` processes (default: all of this
+    `torchrun` job's), one copy per group."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    group_size = group_size or world_size
+    if world_size % group_size:
+        raise ValueError(
+            f"{world_size} processes do not split into groups of {group_size}: pass a group size that divides the "
+            "process count (--target-parallel-size)."
+        )
+    config = distributed_config(parallel, group_size, world_size // group_size)
     return target_auto_class(path).from_pretrained(path, dtype=dtype, distributed_config=config).eval()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -467,6 +468,13 @@ for case in json.loads(sys.argv[1]):
 results.append({"library_imported": "hf_hyperdflash" in sys.modules})
 print(json.dumps(results))
 """
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now, for a `torchrun` rendezvous in a test."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run_python(workdir: Path, script: str, *args: str) -> str:

@@ -41,7 +41,7 @@ from .modeling_outputs import DrafterOutput
 from .release_weights import DSPARK_TENSOR, Release, ReleaseLoadingMixin
 from .remote_code import RemoteCodeMixin
 from .strict_loading import StrictLoadingMixin
-from .target_base import activation_dtype
+from .target_base import activation_dtype, whole_state_dict
 
 
 class DSparkContext:
@@ -150,7 +150,7 @@ class DeepseekV4DSparkForDrafting(
         check_deepseek_v4(target, "DSpark is DeepSeek-V4's block drafter")
         drafter = started_from_target(cls(DeepseekV4DSparkConfig.from_target_config(target.config, **dspark)), target)
         if drafter.config.dspark_conditioning == "pre_collapse":
-            drafter.context_hc_head.load_state_dict(target.model.hc_head.state_dict())
+            drafter.context_hc_head.load_state_dict(whole_state_dict(target.model.hc_head))
         return drafter
 
     @classmethod

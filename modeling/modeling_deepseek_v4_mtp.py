@@ -32,7 +32,7 @@ from .modeling_outputs import DrafterOutput
 from .release_weights import MTP_TENSOR, Release, ReleaseLoadingMixin
 from .remote_code import RemoteCodeMixin
 from .strict_loading import StrictLoadingMixin
-from .target_base import activation_dtype
+from .target_base import activation_dtype, whole_state_dict
 from .transformers_compat import CACHE_ARGUMENT
 
 # After transformers' V4 renaming (`conversion_mapping.py`): the block's modules, its final norm (which the target's
@@ -58,8 +58,8 @@ def check_deepseek_v4(target: PreTrainedModel, drafter: str) -> None:
 def started_from_target(drafter: PreTrainedModel, target: PreTrainedModel) -> PreTrainedModel:
     """An untrained V4 drafter in the target's activation dtype, its collapse head and final norm the target's."""
     drafter.to(dtype=activation_dtype(target.lm_head, target.get_input_embeddings().weight.dtype))
-    drafter.hc_head.load_state_dict(target.model.hc_head.state_dict())
-    drafter.norm.load_state_dict(target.model.norm.state_dict())
+    drafter.hc_head.load_state_dict(whole_state_dict(target.model.hc_head))
+    drafter.norm.load_state_dict(whole_state_dict(target.model.norm))
     return drafter
 
 

@@ -13,7 +13,8 @@ tensor-parallel reduction hands every rank the same sum), so what can part them 
   sampling, rank 0's verdict on each step's drafts (transformers' `_speculative_sampling`) is the one every rank keeps
   (`rank_zero_verdict`).
 
-The ranks are those of the default process group: every rank of the job runs the call.
+The ranks are those that run one copy of the target together (its tensor and expert parallel group); copies that
+replicate it (`dp_replicate_size`, training) decode their own prompts.
 """
 
 from __future__ import annotations
@@ -28,11 +29,20 @@ from torch import nn
 
 
 def spread_group(model: nn.Module) -> dist.ProcessGroup | None:
-    """The process group a target spread by transformers (`from_pretrained(tp_plan=...)` or a `distributed_config`,
-    which set its `_device_mesh`) runs in; None for a target in one process."""
-    if getattr(model, "_device_mesh", None) is None or not (dist.is_available() and dist.is_initialized()):
+    """The processes that run one copy of a target spread by transformers (`from_pretrained(tp_plan=...)` or a
+    `distributed_config`, which set its `_device_mesh` over them); None for a target in one process."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None or not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.group.WORLD
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    spread = [dim for dim in range(mesh.ndim) if mesh.size(dim) > 1]
+    if len(spread) != 1:
+        raise ValueError(
+            f"This target is spread over a mesh of shape {tuple(mesh.shape)} inside one copy; speculative decoding "
+            "keeps the ranks of one parallel dimension in step (tensor or expert parallel): use one of them."
+        )
+    return mesh.get_group(spread[0])
 
 
 def tensor_fingerprint(tensor: torch.Tensor | None) -> str:

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from .call_scope import CallHooks
@@ -27,6 +28,15 @@ def execution_device(module: nn.Module) -> torch.device:
     if device is not None:
         return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     return next(module.parameters()).device
+
+
+def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with every tensor whole on this process: a target spread by transformers' parallel plans
+    holds `DTensor`s (shards, or replicas under FSDP), which a drafter's plain parameters cannot copy."""
+    return {
+        name: value.full_tensor() if isinstance(value, DTensor) else value
+        for name, value in module.state_dict().items()
+    }
 
 
 def activation_dtype(linear: nn.Module, fallback: torch.dtype) -> torch.dtype:
@@ -122,7 +132,7 @@ class HyperConnectionTarget:
 
     def init_inherited_gate(self, gate: nn.Module) -> None:
         """Start a drafter's inherited gate as the target's own collapse: a copy of it (values, not storage)."""
-        gate.load_state_dict(self.collapse_head.state_dict())
+        gate.load_state_dict(whole_state_dict(self.collapse_head))
 
     def check_servable(self) -> None:
         """`ValueError`, naming the config field, for a target config speculative decoding cannot serve exactly on

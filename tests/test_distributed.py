@@ -11,7 +11,6 @@ same way there, so the package adds no failure of its own. The launches: `rank_c
 """
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from hf_hyperdflash.testing import (
     DEEPSEEK_V4_ONLY_KINDS,
     OWN_DRAFTER_KINDS,
+    free_port,
     new_drafter,
     tiny_deepseek_v4,
     tiny_glm5_next,
@@ -55,12 +55,6 @@ def models(tmp_path_factory) -> Path:
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def rank_command(models: Path, family: str, parallel: str, out: Path, nodes: int, node_rank: int, port: int):
     """torchrun for 2 processes: one node running both, or one of 2 nodes running one each, meeting at `port`."""
     per_node = 2 // nodes
@@ -71,7 +65,7 @@ def rank_command(models: Path, family: str, parallel: str, out: Path, nodes: int
 
 
 def run_spread(models: Path, family: str, parallel: str, out: Path, nodes: int = 1) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     launches = [
         subprocess.Popen(rank_command(models, family, parallel, out, nodes, node, port), stderr=subprocess.PIPE)
         for node in range(nodes)

@@ -14,13 +14,14 @@ from transformers import AutoTokenizer
 
 from .. import reference
 from ..command_errors import run_command
+from ..distributed import load_spread_target
 from ..loading import check_target_path, check_tokenizer_path, load_target
 from ..modeling.strict_loading import check_drafter_path
 from ..prompts import encode_prompt, load_prompts
 from . import options
 from .curves import read_log
 from .data import generate_replies, load_examples
-from .loop import LoopConfig
+from .loop import DataShards, LoopConfig
 from .losses import LossConfig
 from .options import DEFAULTS, DRAFTER_KINDS, DSPARK, add_train_arguments, resolve_settings
 from .replies import load_replies
@@ -81,6 +82,32 @@ def _reference_target() -> Path:
         raise ValueError(f"{error} Or pass --target.") from error
 
 
+def _load_target(settings: dict, target_path: str | Path, accelerator: Accelerator) -> tuple:
+    """The frozen target, whole on this process's device or spread over a group of processes by transformers'
+    parallel plans (`--target-parallel`), and the share of the data this process trains on."""
+    parallel = settings["target_parallel"]
+    if parallel == "none":
+        target = load_target(
+            target_path,
+            accelerator.device,
+            settings["target_dtype"],
+            settings["target_quantization"],
+            device_map=settings["target_device_map"],
+            max_memory=settings["target_max_memory"],
+            offload_folder=settings["target_offload_folder"],
+        )
+        return target, DataShards(accelerator.process_index, accelerator.num_processes)
+    placement = ("target_device_map", "target_offload_folder")
+    clashing = [f"--{name.replace('_', '-')}" for name in placement if settings[name]]
+    if settings["target_quantization"] != "none":
+        clashing.append("--target-quantization")
+    if clashing:
+        raise ValueError(f"--target-parallel spreads the target by transformers' plans; drop {', '.join(clashing)}.")
+    group = settings["target_parallel_size"] or accelerator.num_processes
+    target = load_spread_target(target_path, parallel, settings["target_dtype"], group).requires_grad_(False)
+    return target, DataShards(accelerator.process_index // group, accelerator.num_processes // group)
+
+
 def run_train(args: argparse.Namespace) -> Path:
     """Generate (or resume) the reply data, train (or resume) the drafter, save it; returns the drafter dir."""
     settings = resolve_settings(args)
@@ -109,15 +136,7 @@ def run_train(args: argparse.Namespace) -> Path:
         project_dir=run_dir,  # TensorBoard writes to run_dir/PROJECT
     )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    target = load_target(
-        target_path,
-        accelerator.device,
-        settings["target_dtype"],
-        settings["target_quantization"],
-        device_map=settings["target_device_map"],
-        max_memory=settings["target_max_memory"],
-        offload_folder=settings["target_offload_folder"],
-    )
+    target, shards = _load_target(settings, target_path, accelerator)
 
     torch.manual_seed(loop.seed)
     drafter = build_drafter(
@@ -148,8 +167,8 @@ def run_train(args: argparse.Namespace) -> Path:
             batch_size=settings["generation_batch_size"],
             mixed_lengths=settings["mixed_length_batches"],
             seed=loop.seed,
-            rank=accelerator.process_index,
-            world_size=accelerator.num_processes,
+            rank=shards.index,
+            world_size=shards.count,
         )
         accelerator.wait_for_everyone()
         examples = load_examples(data_dir, settings["max_length"])
@@ -173,6 +192,7 @@ def run_train(args: argparse.Namespace) -> Path:
         eval_max_new_tokens=settings["eval_max_new_tokens"],
         make_optimizer=make_optimizer,
         accelerator=accelerator,
+        shards=shards,
     )
     if accelerator.is_main_process:
         measured = [record["tau"] for record in read_log(run_dir / "log.jsonl") if "tau" in record]

@@ -15,14 +15,17 @@ import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from itertools import groupby
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..decoding import decoding_settings
+from ..modeling.rank_agreement import spread_group
 from ..prompts import Messages, encode_prompt
 
 SETTINGS_FILE = "settings.json"
@@ -110,7 +113,9 @@ def generate_replies(
     world_size: int = 1,
 ) -> None:
     """Answer every prompt not answered yet in `data_dir` with the target; this process takes every
-    `world_size`-th prompt starting at `rank` and appends to its own shard.
+    `world_size`-th prompt starting at `rank` and appends to its own shard. The processes of a target spread over
+    several (tensor or expert parallel) share one `rank`: they answer the same prompts together, and the first of
+    them writes.
 
     `temperature` 0 decodes greedily; otherwise it samples at that temperature with no top-k/top-p (the
     distribution `hyperdflash eval` samples at the same T). A batch is seeded by `seed` and its first prompt index.
@@ -129,6 +134,12 @@ def generate_replies(
     if temperature > 0:
         settings |= {"seed": seed, "truncation": "none"}
     shard = data_dir / f"shard-{rank:03d}.jsonl"
+    answer = partial(_answer, target, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature)
+    answer = partial(answer, batch_size=batch_size, mixed_lengths=mixed_lengths, seed=seed, rank=rank)
+    group = spread_group(target)  # a target spread over processes: its group answers one shard together
+    if group is not None and dist.get_rank(group) != 0:
+        answer(_shared_with_group(None, group), None)  # the group's first process decides and writes
+        return
     # One writer per shard: a second job on the same data dir waits, then resumes from what the first wrote.
     with _exclusive(data_dir / f".shard-{rank:03d}.lock"):
         _check_settings(data_dir, settings, write=rank == 0)
@@ -136,7 +147,14 @@ def generate_replies(
             shard.write_text("".join(json.dumps(record) + "\n" for record in _read_shard(shard)))
         done = {record["index"] for record in _read_records(data_dir)}
         pending = [(i, ids) for i, ids in enumerate(encoded) if i % world_size == rank and i not in done]
-        _answer(target, tokenizer, pending, shard, max_new_tokens, temperature, batch_size, mixed_lengths, seed, rank)
+        answer(pending if group is None else _shared_with_group(pending, group), shard)
+
+
+def _shared_with_group(pending: list | None, group: dist.ProcessGroup) -> list:
+    """The group's first process's list of prompts to answer, on every process of the group."""
+    shared = [pending]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+    return shared[0]
 
 
 @contextmanager
@@ -153,7 +171,7 @@ def _answer(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     pending: list[tuple[int, list[int]]],
-    shard: Path,
+    shard: Path | None,
     max_new_tokens: int,
     temperature: float,
     batch_size: int,
@@ -161,7 +179,8 @@ def _answer(
     seed: int,
     rank: int,
 ) -> None:
-    """Generate the replies of `pending` (index, prompt ids) in batches and append them to `shard`."""
+    """Generate the replies of `pending` (index, prompt ids) in batches and append them to `shard` (None: another
+    process of a spread target's group writes them)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = target.generation_config.eos_token_id if target.generation_config.eos_token_id is not None else []
     eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
@@ -178,6 +197,9 @@ def _answer(
                 pad_token_id=pad_id,
                 **decoding,
             )
+        if shard is None:
+            progress.update(len(batch))
+            continue
         with shard.open("a") as handle:
             for (index, prompt_ids), row in zip(batch, output[:, input_ids.shape[1] :].tolist(), strict=True):
                 reply = _cut_at_eos(row, eos_ids)

@@ -44,6 +44,16 @@ class LoopConfig:
     cycle_steps: int = 0  # warm restarts: warmup + cosine repeat every `cycle_steps`; 0 = one cycle over the run
 
 
+@dataclass(frozen=True)
+class DataShards:
+    """The share of each global batch this process trains on: `index` of `count`. The processes that run one copy
+    of a spread target together (tensor or expert parallel) share an index: they see the same batch, and their
+    drafter gradients are equal, so averaging over every process averages over the copies."""
+
+    index: int
+    count: int
+
+
 @lru_cache(maxsize=4)
 def _epoch_order(seed: int, epoch: int, num_examples: int) -> list[int]:
     return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
@@ -144,6 +154,8 @@ def run_training(
     on_checkpoint: Callable[[int], None] | None = None,
     evaluate: EvalFn | None = None,
     make_optimizer: OptimizerFactory = adamw,
+    shards: DataShards | None = None,
+    evaluate_on_every_rank: bool = False,
 ) -> torch.nn.Module:
     """Train `model` (only its parameters with requires_grad) and return it unwrapped.
 
@@ -152,11 +164,14 @@ def run_training(
     checkpoint in `run_dir/checkpoint` is resumed automatically. With `config.eval_every`, the main process logs
     `evaluate(unwrapped model)` (in eval mode, no grad; to the trackers as `eval/<name>`) every `eval_every` steps
     and at the last one, and prints it as one line (`step 200: tau 3.12`), while the other processes wait. The
-    progress bar shows the time left and the last logged loss and tokens/s.
+    progress bar shows the time left and the last logged loss and tokens/s. `shards` (default: one per process)
+    splits each batch; `evaluate_on_every_rank` runs `evaluate` on every process (a spread target decodes with all of
+    its processes), the main one logging.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=config.mixed_precision)
+    shards = shards or DataShards(accelerator.process_index, accelerator.num_processes)
     set_seed(config.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, config)
@@ -185,9 +200,7 @@ def run_training(
     tokens_in_window, window_start, logged_at = 0, time.perf_counter(), start_step
     for step in progress:
         for micro in range(config.gradient_accumulation_steps):
-            picked = batch_samples(
-                step, micro, len(examples), config, accelerator.process_index, accelerator.num_processes
-            )
+            picked = batch_samples(step, micro, len(examples), config, shards.index, shards.count)
             rows = [{**examples[index], "epoch": epoch, "index": index} for epoch, index in picked]
             batch = {k: v.to(accelerator.device) for k, v in collate(rows).items()}
             with accelerator.autocast():
@@ -207,7 +220,8 @@ def run_training(
             steps_in_window, logged_at = done - logged_at, done
             record = {name: total / steps_in_window for name, total in window.items()}
             record = {name: accelerator.reduce(torch.tensor(v), reduction="mean").item() for name, v in record.items()}
-            tokens = accelerator.reduce(torch.tensor(tokens_in_window), reduction="sum").item()
+            copies = accelerator.num_processes // shards.count  # the processes of a group count one batch
+            tokens = accelerator.reduce(torch.tensor(tokens_in_window), reduction="sum").item() / copies
             record.update(
                 step=done,
                 lr=scheduler.get_last_lr()[0],
@@ -221,11 +235,12 @@ def run_training(
             window, tokens_in_window, window_start = {}, 0, time.perf_counter()
         pause_start = time.perf_counter()  # evaluation and checkpoints do not count against throughput
         if evaluate is not None and config.eval_every and _due(done, config.eval_every, config.total_steps):
-            if accelerator.is_main_process:
+            if accelerator.is_main_process or evaluate_on_every_rank:
                 model.eval()
                 with torch.no_grad():
                     metrics = evaluate(accelerator.unwrap_model(model))
                 model.train()
+            if accelerator.is_main_process:
                 _write_log(log_path, {"step": done, **metrics})
                 accelerator.log({f"eval/{name}": value for name, value in metrics.items()}, done)
                 # e.g. "step 200: tau 3.12", above the progress bar rather than through it

@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 
 QUANTIZATIONS = ("none", "8bit", "4bit")  # --target-quantization (trainer.load_target)
+TARGET_PARALLEL = ("none", "tp", "ep", "tp+ep")  # --target-parallel (hf_hyperdflash.distributed.PARALLEL_PLANS)
 TEACHERS = ("mean_pool", "gated")  # --teacher (losses.teacher_logits)
 REPORT_TO = ("none", "tensorboard", "wandb", "all")  # --report-to (telemetry.trackers)
 
@@ -50,6 +51,8 @@ DEFAULTS = {
     "target_device_map": None,
     "target_max_memory": None,
     "target_offload_folder": None,
+    "target_parallel": "none",
+    "target_parallel_size": None,
     # drafter (None: the drafter config's own default, or unset for --init-from)
     "drafter_kind": None,
     "reducer": None,
@@ -174,6 +177,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         type=max_memory_option,
     )
     _option(models, "--target-offload-folder", "With --target-device-map: where target weights offloaded to disk go.")
+    _option(
+        models,
+        "--target-parallel",
+        "Under torchrun: spread the target over processes by transformers' own plans, tp (tensor parallel), ep "
+        "(expert parallel) or tp+ep, in groups of --target-parallel-size; each group sees its own batches and the "
+        "drafter's gradients are averaged over the groups (docs/distributed.md).",
+        choices=list(TARGET_PARALLEL),
+    )
+    _option(
+        models,
+        "--target-parallel-size",
+        "Processes per copy of the target with --target-parallel. Default: all of them (one copy).",
+        type=int,
+    )
 
     drafter = parser.add_argument_group("drafter")
     _option(

@@ -22,6 +22,7 @@ from ..modeling.draft_options import CONSTANT_SCHEDULE, DSPARK_DRAFTER_TYPE
 from ..modeling.generation_stats import mean_accepted_length
 from ..modeling.modeling_deepseek_v4_dspark import DeepseekV4DSparkForDrafting
 from ..modeling.modeling_hyperdflash import HyperDFlashForDrafting, special_token_ids
+from ..modeling.rank_agreement import spread_group
 from ..modeling.request_checks import check_compatible
 from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
 from ..modeling.target_base import activation_dtype
@@ -29,7 +30,7 @@ from ..modeling.targets import get_target_adapter
 from .collator import BlockCollator
 from .curves import plot_curves
 from .dspark import DSparkWithFrozenTarget
-from .loop import EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
+from .loop import DataShards, EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
 from .losses import (
     LossConfig,
     acceptance_terms,
@@ -249,12 +250,15 @@ def train_drafter(
     make_optimizer: OptimizerFactory = adamw,
     accelerator: Accelerator | None = None,
     on_checkpoint: Callable[[int], None] | None = None,
+    shards: DataShards | None = None,
 ) -> HyperDFlashForDrafting:
     """Train `drafter` on `examples` (from `load_examples`) and return it as a plain drafter (LoRA merged). A DSpark
     drafter trains with DeepSpec's objective (`dspark.py`; `losses` is HyperDFlash's).
 
-    `target` must sit on the accelerator's device. `run_dir` receives the checkpoint (resumed automatically),
-    `log.jsonl` (every loss term, accuracies, lr, throughput, and `tau` on `eval_prompts` every
+    `target` must sit on the accelerator's device, or be spread over the processes by transformers' parallel plans
+    (`hf_hyperdflash.distributed.load_spread_target`; `shards` then gives each group of processes its share of the
+    data, and every process takes part in the tau evaluation). `run_dir` receives the checkpoint (resumed
+    automatically), `log.jsonl` (every loss term, accuracies, lr, throughput, and `tau` on `eval_prompts` every
     `loop.eval_every` steps; also sent to the accelerator's trackers) and `curves.png`.
     """
     losses = losses or LossConfig()
@@ -279,6 +283,8 @@ def train_drafter(
         on_checkpoint=on_checkpoint,
         evaluate=tau_evaluator(target, eval_prompts, eval_max_new_tokens) if eval_prompts else None,
         make_optimizer=make_optimizer,
+        shards=shards,
+        evaluate_on_every_rank=spread_group(target) is not None,
     )
     if PartialState().is_main_process:
         plot_curves({"drafter": Path(run_dir) / "log.jsonl"}, Path(run_dir) / "curves.png", title="drafter training")
