@@ -4,6 +4,7 @@ and the check that names what differs. Real launches over 2 processes: `tests/te
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from hf_hyperdflash import HyperDFlashForDrafting
 from hf_hyperdflash.modeling import rank_agreement
@@ -31,7 +32,7 @@ def test_the_check_names_what_the_ranks_disagree_on(target, monkeypatch, tmp_pat
     """One real (single-rank gloo) group, and a second rank's fingerprints as all_gather would bring them."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        monkeypatch.setattr(target, "_device_mesh", object(), raising=False)
+        monkeypatch.setattr(target, "_device_mesh", init_device_mesh("cpu", (1,)), raising=False)
         assert rank_agreement.spread_group(target) is dist.group.WORLD
         mine = {"prompts": "a", "drafter weights": "b"}
         rank_agreement.check_ranks_agree(target, **mine)  # one rank agrees with itself
@@ -41,6 +42,7 @@ def test_the_check_names_what_the_ranks_disagree_on(target, monkeypatch, tmp_pat
 
         monkeypatch.setattr(dist, "all_gather_object", gather)
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(rank_agreement, "spread_group", lambda model: dist.group.WORLD)
         with pytest.raises(ValueError, match="different drafter weights: every rank must"):
             rank_agreement.check_ranks_agree(target, **mine)
     finally:
