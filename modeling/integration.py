@@ -18,7 +18,6 @@ or speculative sampling), logits processors, stopping criteria and streaming sta
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import os
 from collections.abc import Callable
@@ -42,7 +41,14 @@ from .draft_policy import CallSchedule
 from .generation_stats import GenerationStats, synchronized_clock
 from .indexer_ties import install_deterministic_indexer
 from .output_split import outputs_split_per_token
-from .rank_agreement import check_ranks_agree, rank_zero_verdict, spread_group, tensor_fingerprint, weights_fingerprint
+from .rank_agreement import (
+    check_ranks_agree,
+    rank_zero_verdict,
+    spread_group,
+    tensor_fingerprint,
+    text_fingerprint,
+    weights_fingerprint,
+)
 from .request_checks import (
     check_cached_prefix,
     check_compatible,
@@ -101,7 +107,7 @@ class GenerateRequest:
         return {
             "prompts": tensor_fingerprint(self.input_ids),
             "attention masks": tensor_fingerprint(self.kwargs.get("attention_mask")),
-            "generation settings": hashlib.sha256(self.generation_config.to_json_string().encode()).hexdigest()[:16],
+            "generation settings": text_fingerprint(self.generation_config.to_json_string()),
             "drafter weights": weights_fingerprint(drafter),
         }
 
@@ -215,7 +221,7 @@ def _exact_assisted_call(
 
 
 def speculative_generate(original_generate: Callable, request: GenerateRequest, drafter: PreTrainedModel):
-    check_ranks_agree(request.model, **request.fingerprints(drafter))  # first: a rank must not raise alone
+    check_ranks_agree(request.model, lambda: request.fingerprints(drafter))  # first: a rank must not raise alone
     start = synchronized_clock()
     check_internals()
     target = get_target_adapter(request.model)
@@ -324,7 +330,7 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
     """Prompt lookup or a stock assistant (transformers' own candidate generators) on an mHC target: the target, and
     a stateful assistant, get caches that roll back exactly."""
     assistant = request.arguments.get("assistant_model")
-    check_ranks_agree(request.model, **request.fingerprints(assistant))  # first: a rank must not raise alone
+    check_ranks_agree(request.model, lambda: request.fingerprints(assistant))  # first: a rank must not raise alone
     check_internals()
     target = get_target_adapter(request.model)
     target.check_servable()

@@ -45,12 +45,21 @@ def spread_group(model: nn.Module) -> dist.ProcessGroup | None:
     return mesh.get_group(spread[0])
 
 
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def text_fingerprint(text: str) -> str:
+    """A short digest of a text (serialised settings)."""
+    return _digest(text.encode())
+
+
 def tensor_fingerprint(tensor: torch.Tensor | None) -> str:
     """A short digest of a small tensor's shape and values (a prompt, a mask)."""
     if tensor is None:
         return "none"
     data = tensor.detach().cpu().contiguous()
-    return hashlib.sha256(repr(tuple(data.shape)).encode() + data.numpy().tobytes()).hexdigest()[:16]
+    return _digest(repr(tuple(data.shape)).encode() + data.numpy().tobytes())
 
 
 def weights_fingerprint(model: nn.Module | None) -> str:
@@ -62,15 +71,17 @@ def weights_fingerprint(model: nn.Module | None) -> str:
         sums = [torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()]
         values = torch.stack(sums).cpu().tolist() if sums else []
     names = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    return hashlib.sha256(json.dumps([names, values]).encode()).hexdigest()[:16]
+    return text_fingerprint(json.dumps([names, values]))
 
 
-def check_ranks_agree(model: nn.Module, **fingerprints: str) -> None:
-    """On a spread target: raise the same `ValueError` on every rank, naming what differs, if the ranks' fingerprints
-    differ; else give every rank rank 0's random state. A no-op in one process."""
+def check_ranks_agree(model: nn.Module, fingerprints: Callable[[], dict[str, str]]) -> None:
+    """On a spread target: raise the same `ValueError` on every rank, naming what differs, if the ranks'
+    `fingerprints()` differ; else give every rank rank 0's random state. A no-op in one process, which computes no
+    fingerprint."""
     group = spread_group(model)
     if group is None:
         return
+    fingerprints = fingerprints()
     everyone: list[dict | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, fingerprints, group=group)
     differing = sorted(name for name in fingerprints if len({ranks[name] for ranks in everyone}) > 1)

@@ -25,7 +25,7 @@ def test_a_weight_changed_anywhere_changes_the_drafters_fingerprint(target):
 
 def test_a_target_in_one_process_needs_no_agreement(target):
     assert rank_agreement.spread_group(target) is None
-    rank_agreement.check_ranks_agree(target, prompts="a")  # no process group: nothing to compare, nothing raised
+    rank_agreement.check_ranks_agree(target, lambda: {"prompts": "a"})  # no process group: nothing compared or raised
 
 
 def test_the_check_names_what_the_ranks_disagree_on(target, monkeypatch, tmp_path):
@@ -35,7 +35,7 @@ def test_the_check_names_what_the_ranks_disagree_on(target, monkeypatch, tmp_pat
         monkeypatch.setattr(target, "_device_mesh", init_device_mesh("cpu", (1,)), raising=False)
         assert rank_agreement.spread_group(target) is dist.group.WORLD
         mine = {"prompts": "a", "drafter weights": "b"}
-        rank_agreement.check_ranks_agree(target, **mine)  # one rank agrees with itself
+        rank_agreement.check_ranks_agree(target, lambda: mine)  # one rank agrees with itself
 
         def gather(into, fingerprints, group=None):
             into[:] = [fingerprints, {**fingerprints, "drafter weights": "c"}]
@@ -44,6 +44,6 @@ def test_the_check_names_what_the_ranks_disagree_on(target, monkeypatch, tmp_pat
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(rank_agreement, "spread_group", lambda model: dist.group.WORLD)
         with pytest.raises(ValueError, match="different drafter weights: every rank must"):
-            rank_agreement.check_ranks_agree(target, **mine)
+            rank_agreement.check_ranks_agree(target, lambda: mine)
     finally:
         dist.destroy_process_group()
