@@ -104,14 +104,20 @@ def share_random_state(group: dist.ProcessGroup) -> None:
         torch.cuda.set_rng_state(states[1])
 
 
+def broadcast_from_rank_zero(group: dist.ProcessGroup, value: object) -> object:
+    """The group's first process's `value` (any picklable object), on every process of the group."""
+    shared = [value]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+    return shared[0]
+
+
 def rank_zero_verdict(group: dist.ProcessGroup) -> Callable:
     """A replacement for transformers' `_speculative_sampling` (`call_scope.functions`): rank 0's accepted tokens and
     count, broadcast to every rank, whatever the others drew."""
 
     def verify(original: Callable, *args, **kwargs):
         valid_tokens, n_matches = original(*args, **kwargs)
-        verdict = [valid_tokens.cpu(), int(n_matches)]
-        dist.broadcast_object_list(verdict, src=dist.get_global_rank(group, 0), group=group)
-        return verdict[0].to(valid_tokens.device), torch.as_tensor(verdict[1], device=n_matches.device)
+        tokens, count = broadcast_from_rank_zero(group, (valid_tokens.cpu(), int(n_matches)))
+        return tokens.to(valid_tokens.device), torch.as_tensor(count, device=n_matches.device)
 
     return verify

@@ -18,6 +18,7 @@ from hf_hyperdflash.training.command import (
     run_train,
 )
 from hf_hyperdflash.training.curves import read_log
+from hf_hyperdflash.training.data import reply_directories
 from hf_hyperdflash.training.trainer import build_drafter
 
 
@@ -66,6 +67,8 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
     "l1": {"l1_weight", "total_steps"},
     "heads_l1": {"markov_rank", "l1_weight", "total_steps"},
     "heads_l1_sampled": {"markov_rank", "l1_weight", "temperature", "data_dir", "total_steps"},
+    "heads_l1_mixed": {"markov_rank", "l1_weight", "temperature", "data_dir", "total_steps"},
+    "heads_l1x4": {"markov_rank", "l1_weight", "total_steps"},
 }
 
 
@@ -182,3 +185,35 @@ def test_train_command_on_replies_from_a_serving_engine(target_dir, tmp_path):
     with pytest.raises(ValueError, match="line 1: reply token ids"):
         run_train(parse([*args[:4], "--replies", str(bad), "--output-dir", str(tmp_path / "bad")]))
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_reply_temperatures_are_one_or_more_distinct_numbers(tmp_path):
+    assert resolve_settings(parse(["--output-dir", "x"]))["temperature"] == [0.0]
+    assert resolve_settings(parse(["--output-dir", "x", "--temperature", "0", "1"]))["temperature"] == [0.0, 1.0]
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"temperature": 0.7, "output_dir": "x"}))  # one number, as older configs give it
+    assert resolve_settings(parse(["--config", str(config)]))["temperature"] == [0.7]
+    for bad, message in (([-1.0], ">= 0"), ([0.0, 0.0], "repeat"), ([], ">= 0"), (["hot"], ">= 0")):
+        config.write_text(json.dumps({"temperature": bad, "output_dir": "x"}))
+        with pytest.raises(ValueError, match=message):
+            resolve_settings(parse(["--config", str(config)]))
+    assert reply_directories(Path("d"), [0.0]) == {0.0: Path("d")}
+    assert reply_directories(Path("d"), [0.0, 1.0]) == {0.0: Path("d/temperature-0"), 1.0: Path("d/temperature-1")}
+
+
+@pytest.mark.slow
+def test_train_command_on_replies_at_two_temperatures(target_dir, tmp_path):
+    """Greedy and sampled replies to the same prompts, each in its own folder, trained on together."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?"}) + "\n" for i in range(3)))
+    args = ["--target", str(target_dir), "--tokenizer", str(reference.tokenizer_path()), "--data", str(prompts)]
+    args += ["--max-new-tokens", "6", "--temperature", "0", "1", "--block-size", "4", "--num-layers", "1"]
+    args += ["--batch-size", "2", "--anchors-per-sequence", "2", "--total-steps", "2", "--warmup-steps", "1"]
+    args += ["--eval-every", "0", "--output-dir", str(tmp_path / "out")]
+    run_train(parse(args))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    data = tmp_path / "out" / "data"
+    for temperature in ("0", "1"):
+        settings = json.loads((data / f"temperature-{temperature}" / "settings.json").read_text())
+        assert settings["temperature"] == float(temperature)
+        assert len((data / f"temperature-{temperature}" / "shard-000.jsonl").read_text().splitlines()) == 3

@@ -20,7 +20,7 @@ from ..modeling.strict_loading import check_drafter_path
 from ..prompts import encode_prompt, load_prompts
 from . import options
 from .curves import read_log
-from .data import generate_replies, load_examples
+from .data import generate_replies, load_examples, reply_directories
 from .loop import DataShards, LoopConfig
 from .losses import LossConfig
 from .options import DEFAULTS, DRAFTER_KINDS, DSPARK, add_train_arguments, resolve_settings
@@ -156,22 +156,24 @@ def run_train(args: argparse.Namespace) -> Path:
         prompts = load_prompts(
             settings["data"], settings["data_split"], settings["num_prompts"], settings["max_prompt_chars"]
         )
-        generate_replies(
-            target,
-            tokenizer,
-            prompts,
-            data_dir,
-            max_new_tokens=settings["max_new_tokens"],
-            temperature=settings["temperature"],
-            enable_thinking=settings["thinking"],
-            batch_size=settings["generation_batch_size"],
-            mixed_lengths=settings["mixed_length_batches"],
-            seed=loop.seed,
-            rank=shards.index,
-            world_size=shards.count,
-        )
+        reply_dirs = reply_directories(data_dir, settings["temperature"])
+        for temperature, reply_dir in reply_dirs.items():
+            generate_replies(
+                target,
+                tokenizer,
+                prompts,
+                reply_dir,
+                max_new_tokens=settings["max_new_tokens"],
+                temperature=temperature,
+                enable_thinking=settings["thinking"],
+                batch_size=settings["generation_batch_size"],
+                mixed_lengths=settings["mixed_length_batches"],
+                seed=loop.seed,
+                rank=shards.index,
+                world_size=shards.count,
+            )
         accelerator.wait_for_everyone()
-        examples = load_examples(data_dir, settings["max_length"])
+        examples = [e for d in reply_dirs.values() for e in load_examples(d, settings["max_length"])]
     eval_prompts = []
     if settings["eval_prompts"]:
         messages = load_prompts(settings["eval_data"], settings["eval_split"], settings["eval_prompts"])

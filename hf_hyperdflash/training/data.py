@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..decoding import decoding_settings
-from ..modeling.rank_agreement import spread_group
+from ..modeling.rank_agreement import broadcast_from_rank_zero, spread_group
 from ..prompts import Messages, encode_prompt
 
 SETTINGS_FILE = "settings.json"
@@ -98,6 +98,14 @@ def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
     return tokens
 
 
+def reply_directories(data_dir: Path, temperatures: Sequence[float]) -> dict[float, Path]:
+    """Where the replies at each temperature live: `data_dir` itself for one temperature, else one
+    `temperature-T` folder per temperature inside it."""
+    if len(temperatures) == 1:
+        return {temperatures[0]: data_dir}
+    return {t: data_dir / f"temperature-{t:g}" for t in temperatures}
+
+
 def generate_replies(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -138,7 +146,7 @@ def generate_replies(
     answer = partial(answer, batch_size=batch_size, mixed_lengths=mixed_lengths, seed=seed, rank=rank)
     group = spread_group(target)  # a target spread over processes: its group answers one shard together
     if group is not None and dist.get_rank(group) != 0:
-        answer(_shared_with_group(None, group), None)  # the group's first process decides and writes
+        answer(broadcast_from_rank_zero(group, None), None)  # the group's first process decides and writes
         return
     # One writer per shard: a second job on the same data dir waits, then resumes from what the first wrote.
     with _exclusive(data_dir / f".shard-{rank:03d}.lock"):
@@ -147,14 +155,7 @@ def generate_replies(
             shard.write_text("".join(json.dumps(record) + "\n" for record in _read_shard(shard)))
         done = {record["index"] for record in _read_records(data_dir)}
         pending = [(i, ids) for i, ids in enumerate(encoded) if i % world_size == rank and i not in done]
-        answer(pending if group is None else _shared_with_group(pending, group), shard)
-
-
-def _shared_with_group(pending: list | None, group: dist.ProcessGroup) -> list:
-    """The group's first process's list of prompts to answer, on every process of the group."""
-    shared = [pending]
-    dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
-    return shared[0]
+        answer(pending if group is None else broadcast_from_rank_zero(group, pending), shard)
 
 
 @contextmanager

@@ -74,7 +74,7 @@ DEFAULTS = {
     "data_dir": None,
     "replies": None,
     "max_new_tokens": 256,
-    "temperature": 0.0,
+    "temperature": [0.0],
     "thinking": False,
     "generation_batch_size": 8,
     "mixed_length_batches": False,
@@ -275,7 +275,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "checked against the target's tokenizer and chat template. --data and the generation options are then unused.",
     )
     _option(data, "--max-new-tokens", "Longest reply per prompt.", type=int)
-    _option(data, "--temperature", "Sampling temperature of the replies; 0 = greedy (no top-k/top-p).", type=float)
+    _option(
+        data,
+        "--temperature",
+        "Sampling temperature of the replies; 0 = greedy (no top-k/top-p). Several (e.g. 0 1): every prompt is "
+        "answered once at each, stored in DATA_DIR/temperature-T, and the drafter trains on all of them.",
+        type=float,
+        nargs="+",
+    )
     _option(data, "--thinking", "Chat template in thinking mode (enable_thinking).", action=flag)
     _option(data, "--generation-batch-size", "Prompts per target.generate call.", type=int)
     _option(
@@ -373,6 +380,14 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         raise ValueError(f"Unknown keys {unknown} in {args.config}; valid keys: {sorted(DEFAULTS)}.")
     settings = {**DEFAULTS, **from_file}
     settings.update({name: value for name, value in vars(args).items() if name in DEFAULTS and value is not None})
+    if not isinstance(settings["temperature"], list):  # a config file may give one number
+        settings["temperature"] = [settings["temperature"]]
+    if not settings["temperature"] or any(
+        not isinstance(t, int | float) or isinstance(t, bool) or t < 0 for t in settings["temperature"]
+    ):
+        raise ValueError(f"temperature must be one or more numbers >= 0, not {settings['temperature']}.")
+    if len(set(settings["temperature"])) != len(settings["temperature"]):
+        raise ValueError(f"temperature lists {settings['temperature']} with a repeat; give each temperature once.")
     if settings["output_dir"] is None:
         raise ValueError("Pass --output-dir (or 'output_dir' in the config file).")
     return settings
