@@ -331,22 +331,23 @@ class OracleProposer:
         self.vocab_size, self.reference, self.corruption = vocab_size, reference, corruption
         self.generator = torch.Generator().manual_seed(seed)
 
-    def _hint(self, position: int) -> int:
+    def _hint(self, row: int, position: int) -> int:
         random_token = int(torch.randint(self.vocab_size, (1,), generator=self.generator))
         if self.reference is None or position >= self.reference.shape[-1]:
             return random_token
         corrupt = float(torch.rand(1, generator=self.generator)) < self.corruption
-        return random_token if corrupt else int(self.reference[0, position])
+        return random_token if corrupt else int(self.reference[row, position])
 
-    def propose(self, features, positions, input_ids, num_tokens, pick, schedule):
+    def propose(self, features, positions, input_ids, num_tokens, pick, schedule, context_mask=None, rows=None):
+        """A draft for every row of `input_ids` (a batch: `reference` holds a row per row, in the same columns)."""
         from .modeling.candidate_generator import Draft, _pick_sequentially, draft_confidences
 
-        start = input_ids.shape[1]
-        hints = torch.tensor([self._hint(start + k) for k in range(num_tokens)])
-        probs = torch.full((1, num_tokens, self.vocab_size), 0.3 / self.vocab_size)
-        probs[0, torch.arange(num_tokens), hints] += 0.7
+        batch, start = input_ids.shape
+        hints = torch.tensor([[self._hint(row, start + k) for k in range(num_tokens)] for row in range(batch)])
+        probs = torch.full((batch, num_tokens, self.vocab_size), 0.3 / self.vocab_size)
+        probs.scatter_add_(-1, hints[..., None], torch.full((batch, num_tokens, 1), 0.7))
         tokens, logits = _pick_sequentially(input_ids, probs.log().to(input_ids.device), pick)
-        return Draft(tokens, logits, draft_confidences(logits), drafter_forwards=1)
+        return Draft(tokens, logits, draft_confidences(logits, rows), drafter_forwards=1)
 
 
 @contextmanager
@@ -355,7 +356,7 @@ def oracle_drafting(oracle: OracleProposer) -> Iterator[OracleProposer]:
     from .modeling.candidate_generator import BlockProposer
 
     original = BlockProposer.propose
-    BlockProposer.propose = lambda self, *args: oracle.propose(*args)
+    BlockProposer.propose = lambda self, *args, **kwargs: oracle.propose(*args, **kwargs)
     try:
         yield oracle
     finally:

@@ -46,13 +46,22 @@ class TokenPicker:
         return token, logits
 
 
-def draft_confidences(logits: torch.Tensor) -> list[float]:
-    """The drafter's confidence at each drafted position ([1, k, V] processed logits): its top probability.
+def batch_confidence(confidences: torch.Tensor, rows: torch.Tensor | None = None) -> list[float]:
+    """Per drafted position, the confidence of the batch: its least confident row among `rows` (a bool mask of the
+    rows still generating; None: all). A batch keeps a position only if every such row accepts it."""
+    if rows is not None:
+        confidences = confidences[rows.to(confidences.device)]
+    return confidences.amin(dim=0).tolist() if confidences.shape[0] else [1.0] * confidences.shape[1]
+
+
+def draft_confidences(logits: torch.Tensor, rows: torch.Tensor | None = None) -> list[float]:
+    """The drafter's confidence at each drafted position ([B, k, V] processed logits): its top probability (of a
+    batch, `batch_confidence`).
 
     Not the probability of the drawn token: in sampling, a draft length that looked at the drawn token would bias
     the output (only what is known before a position is drawn may decide whether it is verified).
     """
-    return logits.softmax(dim=-1).amax(dim=-1).flatten().tolist()
+    return batch_confidence(logits.softmax(dim=-1).amax(dim=-1), rows)
 
 
 def drafted_token_probabilities(logits: torch.Tensor, tokens: torch.LongTensor) -> list[float]:
@@ -106,24 +115,32 @@ class BlockProposer:
         num_tokens: int,
         pick: TokenPicker,
         schedule: StepSchedule,
+        context_mask: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> Draft:
         """The whole block in one forward; the schedule then chooses how many drafts to verify (with DSpark's heads,
-        as DSparkProposer does)."""
+        as DSparkProposer does). A batch of rows drafts in the same forward: `positions` are each row's own (left
+        padding makes them lag the column), `context_mask` marks its padding, `rows` the rows whose confidence
+        counts (`batch_confidence`)."""
         device, dtype = self.drafter.device, self.drafter.dtype
         anchor_embeds = self.target.embed(input_ids[:, -1:])
-        anchor_position = torch.full((1, 1), input_ids.shape[1] - 1, device=device)
+        if context_mask is None:
+            anchor_position = torch.full((input_ids.shape[0], 1), input_ids.shape[1] - 1, device=device)
+        else:  # the anchor follows the newest context position of its row
+            anchor_position = positions[:, -1:].to(device) + 1
         out = self.drafter(
             anchor_embeds=anchor_embeds.to(device, dtype),
             target_hidden=features.to(device, dtype),
             context_position_ids=positions.to(device),
             anchor_position_ids=anchor_position,
+            context_mask=None if context_mask is None else context_mask.to(device),
             cache=self.cache,
         )
         logits = self.target.logits(out.last_hidden_state[:, 1 : 1 + num_tokens]).float().to(input_ids.device)
         if self.drafter.config.markov_rank:  # DSpark's heads: drawn left to right, as DSpark drafts
-            return draw_with_heads(self.drafter, logits, out.residual[:, 1:], input_ids, pick, schedule)
+            return draw_with_heads(self.drafter, logits, out.residual[:, 1:], input_ids, pick, schedule, rows)
         tokens, processed = _pick_sequentially(input_ids, logits, pick)
-        return Draft(tokens, processed, draft_confidences(processed), drafter_forwards=1)
+        return Draft(tokens, processed, draft_confidences(processed, rows), drafter_forwards=1)
 
 
 class MTPProposer:
@@ -224,17 +241,18 @@ def draw_with_heads(
     input_ids: torch.LongTensor,
     pick: TokenPicker,
     schedule: StepSchedule,
+    rows: torch.Tensor | None = None,
 ) -> Draft:
     """A block's tokens drawn left to right, each with the Markov bias of the token before it (the anchor for the
-    first), from the block's `logits` [1, k, V] and pre-norm hidden states `residual` [1, >= k, D]. Before a token is
+    first), from the block's `logits` [B, k, V] and pre-norm hidden states `residual` [B, >= k, D]. Before a token is
     drawn the schedule decides from the confidences so far, this one's included (each depends on earlier tokens
     only), whether it is verified: what decides is known before the token is drawn, so speculative sampling stays
-    exact."""
+    exact. A batch's confidence is its least confident row among `rows` (`batch_confidence`)."""
     device = residual.device
     candidates, processed, confidences, previous = input_ids, [], [], input_ids[:, -1:]
     for k in range(logits.shape[1]):
         bias, markov_embedding = drafter.markov(previous.to(device))
-        confidence = float(drafter.confidence(residual[:, k : k + 1], markov_embedding))
+        confidence = batch_confidence(drafter.confidence(residual[:, k : k + 1], markov_embedding), rows)[0]
         if not schedule.verifies([*confidences, confidence]):
             break
         confidences.append(confidence)

@@ -40,8 +40,8 @@ def _hook(prompt_length: int):
         if block_bias is None or cache is None:  # a one-token forward already sees every entry
             return output
         cache_end = cache.layers[layer_idx].cumulative_length
-        if int(position_ids[0, -1]) == cache_end - 1:  # positions are cache indices: the stock mask is decoding's
-            return output
+        if bool((position_ids[:, -1] == cache_end - 1).all()):  # positions are cache indices in every row: the
+            return output  # stock mask is decoding's
         bias = decoding_block_bias(
             compressed_kv.shape[2], position_ids, cache_end, prompt_length, module.compress_rate
         )

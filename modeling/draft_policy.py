@@ -141,6 +141,18 @@ class DraftCosts:
                 costs[name] = float(value)
         return cls(**costs)
 
+    def for_batch(self, batch_size: int, drafts_row_by_row: bool) -> DraftCosts:
+        """The same costs for a batch, relative to a plain step of the batch. A forward's cost is a fixed part (the
+        weights read once) plus a part per token row; `verify_cost`, one more token on a one-row forward, says how
+        they split. So each draft costs a batch `batch_size` rows of that per-row part, a share of the plain step that
+        grows with the batch; a drafter that drafts row by row pays its forward once per row, a batched one about as
+        the target does."""
+        per_row = self.verify_cost / (1.0 - self.verify_cost)  # per-row part over the fixed part
+        plain_one, plain_batch = 1.0 + per_row, 1.0 + batch_size * per_row
+        verify = batch_size * per_row / plain_batch
+        draft = self.draft_cost * (batch_size * plain_one / plain_batch if drafts_row_by_row else 1.0)
+        return DraftCosts(draft_cost=draft, verify_cost=verify)
+
 
 def expected_tokens(acceptance: Sequence[float]) -> list[float]:
     """Entry k: expected tokens a step adds when it verifies the first k drafts (the bonus token included),
@@ -305,10 +317,13 @@ class CallSchedule:
     """One generate() call's draft policy and confidence threshold; "heuristic" leaves its draft length for the
     drafter's next call on `drafter.generation_config.num_assistant_tokens`, where transformers keeps it."""
 
-    def __init__(self, name: str, drafter, target, num_draft_tokens: int):
+    def __init__(self, name: str, drafter, target, num_draft_tokens: int, batch: tuple[int, bool] = (1, False)):
+        """`batch`: the rows of the call and whether the drafter drafts them row by row (`DraftCosts.for_batch`)."""
         self.name, self.drafter = name, drafter
         if name == ADAPTIVE_SCHEDULE:
             costs = DraftCosts.for_call(target.device.type, drafter)
+            if batch[0] > 1:
+                costs = costs.for_batch(*batch)
             self.policy: DraftPolicy = AdaptiveDraftPolicy(num_draft_tokens, costs)
         elif name in (HEURISTIC_SCHEDULE, HEURISTIC_TRANSIENT_SCHEDULE):
             self.policy = HeuristicDraftPolicy(_longest_heuristic_draft(drafter, num_draft_tokens), num_draft_tokens)

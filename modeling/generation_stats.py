@@ -59,6 +59,9 @@ class GenerationStats:
     accepted_per_step: list[int] = field(default_factory=list)
     proposed_per_step: list[int] = field(default_factory=list)
     skipped_steps: int = 0  # steps after the prefill that decoded plainly, without a drafter forward
+    # A batch keeps every row's shortest accepted run: per drafted step, the mean over its generating rows of the
+    # drafts each row's own verification accepted (what rows that each kept their own run would have kept)
+    row_accepted_per_step: list[float] = field(default_factory=list)
 
     @property
     def decoding_steps(self) -> int:
@@ -78,6 +81,11 @@ class GenerationStats:
     @property
     def mean_accepted_length(self) -> float:
         return mean_accepted_length(self.accepted_per_step)
+
+    @property
+    def row_mean_accepted_length(self) -> float:
+        """tau had each row of a batch kept its own accepted run (NaN for one prompt, or no drafted step)."""
+        return mean_accepted_length(self.row_accepted_per_step)
 
     @property
     def acceptance_per_position(self) -> list[float]:

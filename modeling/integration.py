@@ -29,6 +29,7 @@ import transformers.generation.utils as generation_utils
 from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedModel
 
 from . import call_scope
+from .batched_decoding import batched_generate, check_batch, is_batched
 from .candidate_generator import (
     BlockProposer,
     DSparkProposer,
@@ -56,6 +57,7 @@ from .request_checks import (
     check_prompt,
     draft_schedule,
     num_draft_tokens,
+    refuse_batched_options,
     refuse_incompatible_options,
 )
 from .stopping import HeldBackStreamer, PerTokenStopping
@@ -123,6 +125,17 @@ class GenerateRequest:
     def max_length(self) -> int:
         """The longest sequence the call may return."""
         return self.input_ids.shape[1] + self.new_token_budget
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """The mask generate() decodes with: the one passed in, else the one it infers from padding tokens in the
+        prompt, else all ones."""
+        mask = self.kwargs.get("attention_mask")
+        if mask is not None:
+            return mask
+        if masks_padding(self.input_ids, self.generation_config):
+            return (self.input_ids != self.generation_config.pad_token_id).long()
+        return torch.ones_like(self.input_ids)
 
     @property
     def positions_may_lag_cache(self) -> bool:
@@ -232,10 +245,21 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     check_confidence_threshold(drafter)
     refuse_incompatible_options(request.generation_config, drafter)
     check_prompt(request.input_ids)
+    batched = is_batched(request.input_ids, request.generation_config.num_return_sequences)
+    if batched:
+        refuse_batched_options(request.arguments, request.generation_config, drafter)
+        check_batch(request.input_ids, request.kwargs.get("attention_mask"), request.kwargs)
     if request.cache is not None:
         check_cached_prefix(request.cache, request.input_ids.shape[1])
-    schedule = CallSchedule(schedule_name, drafter, request.model, draft_length)
+    rows = request.input_ids.shape[0] * (request.generation_config.num_return_sequences or 1)
+    batch = (rows, drafter.config.model_type != BLOCK_DRAFTER_TYPE)  # block drafters draft the rows in one forward
+    schedule = CallSchedule(schedule_name, drafter, request.model, draft_length, batch)
     max_draft = schedule.policy.max_draft  # "heuristic" may grow past `draft_length`
+    if batched:
+        stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)
+        cache = _call_cache(target, request.cache, max_draft)
+        output = batched_generate(original_generate, request, target, cache, drafter, schedule.policy, stats)
+        return _finish(output, request, drafter, schedule, stats, start)
     if drafter.config.model_type == BLOCK_DRAFTER_TYPE:
         proposer = BlockProposer(drafter, target)
     elif drafter.config.model_type == DSPARK_DRAFTER_TYPE:
@@ -261,6 +285,11 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
             return generator
 
         output = _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
+    return _finish(output, request, drafter, schedule, stats, start)
+
+
+def _finish(output, request: GenerateRequest, drafter, schedule: CallSchedule, stats: GenerationStats, start: float):
+    """The call's result, its stats left on the drafter."""
     schedule.finish()
     stats.new_tokens = _sequences(output).shape[1] - request.input_ids.shape[1]
     stats.seconds = synchronized_clock() - start

@@ -117,11 +117,6 @@ def refuse_incompatible_options(generation_config: GenerationConfig, drafter: Pr
             "Beam search cannot be combined with a speculative drafter (`assistant_model`). Use num_beams=1, or "
             "drop `assistant_model` for beam search."
         )
-    if (generation_config.num_return_sequences or 1) > 1:
-        raise ValueError(
-            "Speculative decoding returns one sequence per prompt; got num_return_sequences="
-            f"{generation_config.num_return_sequences}. Call generate several times, or drop `assistant_model`."
-        )
     if generation_config.use_cache is False:
         raise ValueError("Speculative decoding needs the target's cache; do not pass use_cache=False.")
     mode = generation_config.get_generation_mode(assistant_model=drafter)
@@ -162,16 +157,31 @@ def refuse_incompatible_options(generation_config: GenerationConfig, drafter: Pr
 
 
 def check_prompt(input_ids: torch.LongTensor | None) -> None:
-    """One prompt of token ids: the drafter embeds the verified tokens, and assisted decoding is batch size 1."""
+    """Prompts as token ids: the drafter embeds the verified tokens."""
     if input_ids is None:
         raise ValueError(
             "Speculative decoding needs `input_ids` (the drafter embeds the verified tokens); "
             "pass input_ids instead of inputs_embeds."
         )
-    if input_ids.shape[0] != 1:
+
+
+def refuse_batched_options(arguments: dict, generation_config: GenerationConfig, drafter: PreTrainedModel) -> None:
+    """Options a batched speculative call (several rows, or `num_return_sequences` > 1) does not serve."""
+    refused = {
+        "output_attentions": generation_config.return_dict_in_generate and generation_config.output_attentions,
+        "output_hidden_states": generation_config.return_dict_in_generate and generation_config.output_hidden_states,
+        "streamer": arguments.get("streamer") is not None,
+        "custom_generate": arguments.get("custom_generate") is not None,
+        "synced_gpus": bool(arguments.get("synced_gpus")),
+        "assistant_confidence_threshold": bool(
+            getattr(getattr(drafter, "generation_config", None), "assistant_confidence_threshold", None)
+        ),
+    }
+    named = [name for name, given in refused.items() if given]
+    if named:
         raise ValueError(
-            f"Speculative decoding through generate() runs one prompt at a time; got a batch of {input_ids.shape[0]}. "
-            "Loop over the prompts (batch size 1 each)."
+            f"A batched speculative call (several prompts, or num_return_sequences > 1) does not take `{named[0]}`. "
+            "Drop it, or decode one prompt at a time (batch size 1 takes it)."
         )
 
 

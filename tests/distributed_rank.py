@@ -4,7 +4,8 @@ plan, every drafter saved beside it and stock prompt lookup.
     torchrun --nproc_per_node 2 tests/distributed_rank.py MODELS_DIR FAMILY PARALLEL OUT_DIR
 
 Writes OUT_DIR/rank-N.json: per way of drafting, whether greedy output equals the same distributed plain decoding and
-the sampled tokens (each rank seeded differently: the package must make them agree); then what two mismatched calls
+the sampled tokens (each rank seeded differently: the package must make them agree), for one prompt and for a
+left-padded batch of two (the package's drafters); then what two mismatched calls
 raised (a drafter changed on rank 1 only, a prompt that differs on rank 1) and whether the ranks decode on afterwards.
 Where plain decoding itself fails (GLM-5-Next's TP plan), the error it raised and the one each way of drafting raised.
 """
@@ -20,6 +21,12 @@ from transformers import AutoModel
 from hf_hyperdflash.distributed import PROMPT_LOOKUP, drafting_arguments, load_spread_target
 
 PROMPT = torch.tensor([[5, 17, 33, 9, 250, 11, 12, 40, 77, 3, 19, 23, 8, 101, 44, 6, 5, 17, 33, 9]])
+# Two prompts, the second left-padded: batched speculative decoding on the spread target
+BATCH = {
+    "input_ids": torch.cat([PROMPT, torch.cat([torch.zeros(1, 8, dtype=torch.long), PROMPT[:, 8:]], dim=1)]),
+    "attention_mask": torch.cat([torch.ones(1, 20, dtype=torch.long), (torch.arange(20) >= 8).long()[None]]),
+    "pad_token_id": 0,
+}
 GREEDY = {"max_new_tokens": 12, "do_sample": False}
 SAMPLING = {"max_new_tokens": 12, "do_sample": True}
 
@@ -53,6 +60,14 @@ def main(models: Path, family: str, parallel: str, out_dir: Path) -> None:
             torch.manual_seed(1000 * rank)
             sampled = target.generate(PROMPT, **SAMPLING, **drafting_arguments(drafter))
             result["ways"][name] = {"identical": torch.equal(greedy, plain), "sampled": sampled[0].tolist()}
+            if name != PROMPT_LOOKUP:  # prompt lookup is transformers' own, one prompt at a time
+                batched = target.generate(**BATCH, **GREEDY, assistant_model=drafter)
+                torch.manual_seed(1000 * rank)
+                batch_sampled = target.generate(**BATCH, **SAMPLING, assistant_model=drafter)
+                result["ways"][name] |= {
+                    "batch_identical": torch.equal(batched, target.generate(**BATCH, **GREEDY)),
+                    "batch_sampled": batch_sampled.tolist(),
+                }
         drafter = drafters["hyperdflash"]
         changed = AutoModel.from_pretrained(ways["hyperdflash"], trust_remote_code=True).eval()
         if rank == 1:

@@ -82,6 +82,9 @@ def assert_lossless_and_in_step(ranks: list[dict]) -> None:
     for name in ways:
         assert all(rank["ways"][name]["identical"] for rank in ranks), name
         assert ranks[0]["ways"][name]["sampled"] == ranks[1]["ways"][name]["sampled"], name
+        if name != "prompt_lookup":  # a batch of two prompts
+            assert all(rank["ways"][name]["batch_identical"] for rank in ranks), name
+            assert ranks[0]["ways"][name]["batch_sampled"] == ranks[1]["ways"][name]["batch_sampled"], name
     for rank in ranks:
         assert rank["changed_drafter"].startswith("ValueError") and "drafter weights" in rank["changed_drafter"]
         assert rank["other_prompt"].startswith("ValueError") and "prompts" in rank["other_prompt"]

@@ -63,16 +63,6 @@ def test_unsupported_target_family(drafter):
         _speculative(_tiny_llama(seed=0), drafter)
 
 
-def test_batch_larger_than_one(target, drafter):
-    with pytest.raises(ValueError, match="one prompt at a time; got a batch of 2"):
-        target.generate(PROMPT.repeat(2, 1), max_new_tokens=4, assistant_model=drafter)
-
-
-def test_several_return_sequences(target, drafter):
-    with pytest.raises(ValueError, match="one sequence per prompt; got num_return_sequences=2"):
-        target.generate(PROMPT, max_new_tokens=4, do_sample=True, num_return_sequences=2, assistant_model=drafter)
-
-
 def test_beam_search(target, drafter):
     with pytest.raises(ValueError, match="Beam search cannot be combined with a speculative drafter"):
         _speculative(target, drafter, num_beams=2)

@@ -135,7 +135,6 @@ DRAFTER_EXACT = {
 
 REFUSED = {
     "num_beams": ({"num_beams": 2}, "Beam search"),
-    "num_return_sequences": ({"do_sample": True, "num_return_sequences": 2}, "one sequence per prompt"),
     "use_cache=False": ({"use_cache": False}, "needs the target's cache"),
     "penalty_alpha": ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive search"),
     "dola_layers": ({"dola_layers": "low"}, "dola generation"),
@@ -146,7 +145,6 @@ REFUSED = {
     "guidance_scale": ({"guidance_scale": 1.5}, "guidance_scale=1.5"),
     "cache_implementation=static": ({"cache_implementation": "static"}, "cache_implementation='static'"),
     "cache (not rewindable)": ({"past_key_values": DynamicCache()}, "rewindable target cache"),
-    "batch size > 1": ({"batch": 2}, "one prompt at a time"),
 }
 
 
@@ -351,8 +349,6 @@ def test_refused_option_raises_before_any_forward(models, kind, option):
     target = models.target("deepseek_v4")
     kwargs, message = REFUSED[option]
     inputs = _prompt(target, 0)
-    if kwargs.get("batch"):
-        inputs, kwargs = {"input_ids": inputs["input_ids"].repeat(kwargs["batch"], 1)}, {}
     forwards = []
     hook = target.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
@@ -381,7 +377,8 @@ def test_the_documented_table_is_the_tested_one():
     documented = {name: verdict for name, verdict in rows}
     exact = {*EXACT, *DRAFTER_EXACT, *EVERY_OUTPUT, CONTINUED, ", ".join(IMAGES)}
     tested = {name: "exact" for name in exact} | {name: "refused" for name in REFUSED}
-    covered_elsewhere = {"stop_strings", "stopping_criteria", "streamer"}  # tests/test_stopping.py, test_streaming.py
+    # tests/test_stopping.py, test_streaming.py; several sequences per prompt run batched (tests/test_batched.py)
+    covered_elsewhere = {"stop_strings", "stopping_criteria", "streamer", "num_return_sequences"}
     assert {n for n in documented if n not in covered_elsewhere} == set(tested)
     assert all(documented[name] == verdict for name, verdict in tested.items())
     assert all(documented[name] == "exact" for name in covered_elsewhere)

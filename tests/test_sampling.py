@@ -97,11 +97,13 @@ def exact_distribution(target, settings: dict, inputs: dict | None = None) -> to
 
 def _repeated(name: str, value: torch.Tensor, prefixes: torch.LongTensor) -> torch.Tensor:
     """One prompt input for a batch of `prompt + prefix` rows: token ids extended by the prefixes (token types by
-    text), the image inputs once per row."""
+    text, the attention mask by ones), the image inputs once per row."""
     if name == "input_ids":
         return torch.cat([value.expand(len(prefixes), -1), prefixes], dim=1)
     if name == "mm_token_type_ids":
         return torch.cat([value.expand(len(prefixes), -1), torch.zeros_like(prefixes)], dim=1)
+    if name == "attention_mask":
+        return torch.cat([value.expand(len(prefixes), -1), torch.ones_like(prefixes)], dim=1)
     return value.repeat(len(prefixes), *[1] * (value.dim() - 1))
 
 

@@ -26,6 +26,7 @@ from transformers import DynamicCache, GenerationConfig, GenerationMixin
 from transformers.cache_utils import LinearAttentionLayer
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4Attention,
@@ -125,6 +126,26 @@ def test_generate_builds_the_stopping_criteria_once_with_keywords_only():
     assert not call.args and {"generation_config", "stopping_criteria"} <= _keywords(call)
     (check,) = [c for c in _calls(ASSISTED_DECODING, "stopping_criteria")]
     assert [arg.id for arg in check.args] == ["input_ids", "scores"]  # called once per step, after appending
+
+
+def test_greedy_and_sampling_dispatch_to_the_classs_sample_with_what_the_batched_loop_takes():
+    """A batched speculative call replaces the target's `_sample` for the call (`batched_decoding.py`): generate()
+    must look it up on the class and call it with the prepared batch; the loop's helpers take what it passes."""
+    from hf_hyperdflash.modeling.batched_decoding import BatchedSpeculativeLoop
+
+    assert generation_utils.GENERATION_MODES_MAPPING[GenerationMode.GREEDY_SEARCH] == "_sample"
+    assert generation_utils.GENERATION_MODES_MAPPING[GenerationMode.SAMPLE] == "_sample"
+    generate_source = inspect.getsource(GenerationMixin.generate.__wrapped__)
+    assert "getattr(type(self), GENERATION_MODES_MAPPING[generation_mode])" in generate_source
+    sample = list(inspect.signature(GenerationMixin._sample).parameters)
+    assert sample[:5] == ["self", "input_ids", "logits_processor", "stopping_criteria", "generation_config"]
+    assert list(inspect.signature(BatchedSpeculativeLoop.__call__).parameters)[2:6] == sample[1:5]
+    assert {"input_ids", "generation_config", "model_kwargs"} <= set(
+        inspect.signature(GenerationMixin._prefill).parameters
+    )
+    assert "num_new_tokens" in inspect.signature(GenerationMixin._update_model_kwargs_for_generation).parameters
+    prepare = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    assert {"next_sequence_length", "is_first_iteration"} <= set(prepare)
 
 
 @pytest.mark.parametrize(

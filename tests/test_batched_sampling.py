@@ -1,0 +1,82 @@
+"""Batched speculative sampling keeps every row's distribution (`test_batched.py` has the greedy and seeded tests).
+
+Each call samples a batch of two prompts, one left-padded, with two sequences each: four rows that accept different
+numbers of drafts in the same step, so every row's tokens are cut to the batch's shortest accepted run. A row's first
+`NEW_TOKENS` tokens are compared, by a Pearson chi-square test, with the exact distribution of its prompt, enumerated
+from the target as in `test_sampling.py` (the same tiny target with an 8-token vocabulary).
+"""
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from test_sampling import (
+    ALPHA,
+    NEW_TOKENS,
+    PROCESSED,
+    VOCAB,
+    drafter_for,
+    exact_distribution,
+    outcomes,
+)
+from test_sampling import target as sampling_target  # noqa: F401  (its `target` fixture)
+
+from hf_hyperdflash.testing import OracleProposer, chi_square_p_value, oracle_drafting
+
+pytestmark = pytest.mark.slow  # statistical: 1,000 batched calls per case (CI runs them)
+
+BATCH = {
+    "input_ids": torch.tensor([[3, 4, 5, 6, 7, 3], [0, 0, 5, 6, 7, 2]]),
+    "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]]),
+}
+SEQUENCES = 2  # per prompt
+SEEDS = (0, 1)
+CALLS_PER_SEED = 500
+
+
+def batched_samples(target, kind: str, settings: dict) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """Per prompt, the counts of every continuation over all its rows and calls; and the accepted and proposed drafts
+    of every step (the batch's: its shortest accepted run)."""
+    drafter = drafter_for(target, kind)
+    place_values = VOCAB ** torch.arange(NEW_TOKENS - 1, -1, -1)
+    counts = [torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64) for _ in BATCH["input_ids"]]
+    accepted, proposed = [], []
+    routing = None
+    if kind == "oracle":
+        greedy = target.generate(**BATCH, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        routing = OracleProposer(VOCAB, greedy.repeat_interleave(SEQUENCES, dim=0), corruption=0.2, seed=0)
+    with oracle_drafting(routing) if routing else nullcontext():
+        for seed in SEEDS:
+            torch.manual_seed(seed)
+            for _ in range(CALLS_PER_SEED):
+                out = target.generate(
+                    **BATCH,
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=True,
+                    num_return_sequences=SEQUENCES,
+                    assistant_model=drafter,
+                    pad_token_id=0,
+                    **settings,
+                )
+                for row, tokens in enumerate(out[:, BATCH["input_ids"].shape[1] :]):
+                    counts[row // SEQUENCES][int((tokens * place_values).sum())] += 1
+                accepted += drafter.last_generation_stats.accepted_per_step
+                proposed += drafter.last_generation_stats.proposed_per_step
+    return counts, accepted, proposed
+
+
+@pytest.mark.parametrize(
+    "kind, settings",
+    [("hyperdflash", {}), ("mtp", {"temperature": 1.3}), ("dspark", {}), ("oracle", PROCESSED)],
+    ids=["untrained-hyperdflash", "mtp-temperature", "dspark", "oracle-temperature-top_k"],
+)
+def test_every_row_of_a_batch_follows_its_prompts_distribution(target, kind, settings):
+    counts, accepted, proposed = batched_samples(target, kind, settings)
+    assert {"full", "zero"} <= outcomes(accepted, proposed)
+    for prompt, row_counts in enumerate(counts):
+        inputs = {name: value[prompt : prompt + 1] for name, value in BATCH.items()}
+        probs = exact_distribution(target, settings, inputs)
+        assert row_counts.sum() == len(SEEDS) * CALLS_PER_SEED * SEQUENCES
+        assert row_counts[probs == 0].sum() == 0
+        p_value = chi_square_p_value(row_counts, probs)
+        assert p_value > ALPHA, f"prompt {prompt}: samples deviate from the target distribution (p={p_value:.2e})"
