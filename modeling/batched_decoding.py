@@ -45,7 +45,7 @@ from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
 from .rank_agreement import broadcast_from_rank_zero, spread_group
 from .target_base import HyperConnectionTarget
-from .transformers_compat import CACHE_ARGUMENT, cached_length
+from .transformers_compat import CACHE_ARGUMENT, STOCK_LINEAR_ATTENTION_ROLLBACK, cached_length
 
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
@@ -308,8 +308,11 @@ class BatchedSpeculativeLoop:
     ):
         model = self.target.model
         cache: Cache = model_kwargs[CACHE_ARGUMENT]
-        if hasattr(cache, "activate_past_recording"):  # 5.25: linear-attention layers keep states to roll back to
+        # As the version's assisted decoding does: from 5.25 linear-attention layers keep states to roll back to
+        if STOCK_LINEAR_ATTENTION_ROLLBACK:
             cache.activate_past_recording(recurrent_states_to_keep=self.policy.max_draft)
+        else:
+            cache.activate_past_recording()
         config = generation_config
         pad = config._pad_token_tensor
         pad_id = int(pad) if pad is not None else 0
