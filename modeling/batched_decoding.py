@@ -18,9 +18,9 @@ batch) and linear-attention layers (a hole still decays the state) cannot take. 
 measured per call: `stats.row_mean_accepted_length` is tau had every row kept its own run.
 
 Rows that stopped (EOS, a stop string) keep taking the padding token, as in plain decoding; they neither draft nor
-limit the others' runs. The draft schedule decides per step for the whole batch, from the least confident generating
-row at each position, on costs scaled to the batch (`DraftCosts.for_batch`), so it drafts less as the batch grows
-and stops drafting where drafting loses.
+limit the others' runs. The draft schedule decides per step for the whole batch, from the product of the generating
+rows' confidences at each position (every row must accept a position for the batch to keep it), on costs scaled to the
+batch (`DraftCosts.for_batch`), so it drafts less as the batch grows and stops drafting where drafting loses.
 """
 
 from __future__ import annotations
@@ -368,12 +368,10 @@ class BatchedSpeculativeLoop:
                         draft.confidences,
                         draft.drafter_forwards,
                     )
-                if not draft.tokens.shape[1]:
-                    draft = None
             elif num_tokens > 0:
                 self.stats.skipped_steps += 1
             k = 0 if draft is None else draft.tokens.shape[1]
-            drafts = input_ids.new_zeros(input_ids.shape[0], 0) if draft is None else draft.tokens.to(input_ids.device)
+            drafts = input_ids.new_zeros(input_ids.shape[0], 0) if not k else draft.tokens.to(input_ids.device)
             drafts = torch.where(unfinished[:, None], drafts, pad_id)  # a stopped row feeds padding, as plainly
             candidates = torch.cat([input_ids, drafts], dim=-1)
             outputs = self._verify(model, candidates, k, model_kwargs)
@@ -382,7 +380,7 @@ class BatchedSpeculativeLoop:
             if len(logits_processor):
                 for i in range(k + 1):
                     processed[:, i] = logits_processor(candidates[:, : cur_len + i], processed[:, i])
-            if draft is None:
+            if not k:
                 row_tokens = (
                     torch.multinomial(processed[:, 0].softmax(-1), 1) if config.do_sample else processed.argmax(-1)
                 )
@@ -412,7 +410,7 @@ class BatchedSpeculativeLoop:
             pending.append(features[:, :appended])
             model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, num_new_tokens=appended)
             del outputs
-            if draft is not None:
+            if draft is not None:  # the drafter ran, whether or not the schedule verified any of its drafts
                 self._record(draft, keep - 1, accepted, generating)
         if not config.return_dict_in_generate:
             return input_ids
@@ -468,10 +466,11 @@ class BatchedSpeculativeLoop:
         return broadcast_from_rank_zero(self.group, tensor.cpu()).to(tensor.device)
 
     def _record(self, draft: BatchDraft, kept: int, accepted: torch.LongTensor, rows: torch.Tensor) -> None:
-        proposed = int(draft.lengths.max())
-        self.stats.accepted_per_step.append(kept)
-        self.stats.proposed_per_step.append(proposed)
-        self.stats.row_accepted_per_step.append(float(accepted[rows].float().mean()))
+        proposed = int(draft.lengths.max()) if draft.tokens.shape[1] else 0
+        if proposed:
+            self.stats.accepted_per_step.append(kept)
+            self.stats.proposed_per_step.append(proposed)
+            self.stats.row_accepted_per_step.append(float(accepted[rows].float().mean()))
         self.policy.record(StepRecord(draft.confidences, proposed, kept, draft.drafter_forwards))
 
 

@@ -47,11 +47,12 @@ class TokenPicker:
 
 
 def batch_confidence(confidences: torch.Tensor, rows: torch.Tensor | None = None) -> list[float]:
-    """Per drafted position, the confidence of the batch: its least confident row among `rows` (a bool mask of the
-    rows still generating; None: all). A batch keeps a position only if every such row accepts it."""
+    """Per drafted position, the confidence of the batch: the product of its rows' among `rows` (a bool mask of the
+    rows still generating; None: all), as if rows accepted independently. A batch keeps a position only if every such
+    row accepts it; one row alone keeps its own confidence."""
     if rows is not None:
         confidences = confidences[rows.to(confidences.device)]
-    return confidences.amin(dim=0).tolist() if confidences.shape[0] else [1.0] * confidences.shape[1]
+    return confidences.prod(dim=0).tolist()
 
 
 def draft_confidences(logits: torch.Tensor, rows: torch.Tensor | None = None) -> list[float]:
@@ -247,7 +248,7 @@ def draw_with_heads(
     first), from the block's `logits` [B, k, V] and pre-norm hidden states `residual` [B, >= k, D]. Before a token is
     drawn the schedule decides from the confidences so far, this one's included (each depends on earlier tokens
     only), whether it is verified: what decides is known before the token is drawn, so speculative sampling stays
-    exact. A batch's confidence is its least confident row among `rows` (`batch_confidence`)."""
+    exact. A batch's confidence is the product of its rows' among `rows` (`batch_confidence`)."""
     device = residual.device
     candidates, processed, confidences, previous = input_ids, [], [], input_ids[:, -1:]
     for k in range(logits.shape[1]):
