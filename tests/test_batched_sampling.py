@@ -18,12 +18,18 @@ from test_sampling import (
     drafter_for,
     exact_distribution,
     outcomes,
+    sampling_target,
 )
-from test_sampling import target as sampling_target  # noqa: F401  (its `target` fixture)
 
 from hf_hyperdflash.testing import OracleProposer, chi_square_p_value, oracle_drafting
 
 pytestmark = pytest.mark.slow  # statistical: 1,000 batched calls per case (CI runs them)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return sampling_target()
+
 
 BATCH = {
     "input_ids": torch.tensor([[3, 4, 5, 6, 7, 3], [0, 0, 5, 6, 7, 2]]),

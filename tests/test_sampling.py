@@ -52,6 +52,12 @@ PROCESSED = {"temperature": 0.7, "top_k": 3}
 
 @pytest.fixture(scope="module")
 def target():
+    return sampling_target()
+
+
+def sampling_target():
+    """The cheapest tiny V4 (one sliding layer, hash MoE, one Sinkhorn step) with an 8-token vocabulary and a
+    sharpened `lm_head`."""
     model = tiny_deepseek_v4(
         seed=0,
         vocab_size=VOCAB,
