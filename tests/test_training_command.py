@@ -71,6 +71,7 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
     "heads_l1x4": {"markov_rank", "l1_weight", "total_steps"},
     "heads_l1x16": {"markov_rank", "l1_weight", "total_steps"},
     "heads_l1x4_mixed": {"markov_rank", "l1_weight", "temperature", "data_dir", "total_steps"},
+    "heads_l1x4_t07": {"markov_rank", "l1_weight", "temperature", "data_dir", "total_steps"},
 }
 
 
