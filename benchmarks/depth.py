@@ -351,7 +351,7 @@ def generate_target_replies(out: Path, size: Size, device: str) -> tuple[dict, l
         prompts,
         out / "replies",
         max_new_tokens=size.reply_tokens,
-        temperature=RECIPE["temperature"],
+        temperature=0.0,  # greedy, as the shipped drafters were trained
         enable_thinking=RECIPE["thinking"],
         batch_size=size.generation_batch,
         mixed_lengths=RECIPE["mixed_length_batches"],
