@@ -34,6 +34,8 @@ from hf_hyperdflash.testing import (
     tiny_qwen4_exp_composite,
 )
 
+pytestmark = pytest.mark.compat  # runs generate()'s own preparation with its internals: `pytest -m compat`
+
 FAMILIES = {
     "deepseek_v4": lambda: tiny_deepseek_v4(0, index_n_heads=2),
     "hy_v4": tiny_hy_v4,
