@@ -233,10 +233,15 @@ class BatchSchedule:
         return self.policy.keep_drafting(confidences)
 
 
+def drafts_row_by_row(drafter: PreTrainedModel) -> bool:
+    """Native MTP and DSpark draft a batch row by row; block drafters all rows in one forward."""
+    return drafter.config.model_type != BLOCK_DRAFTER_TYPE
+
+
 def make_drafting(
     drafter: PreTrainedModel, target: HyperConnectionTarget, padding: torch.LongTensor, max_draft: int
 ) -> BlockDrafting | RowByRowDrafting:
-    if drafter.config.model_type == BLOCK_DRAFTER_TYPE:
+    if not drafts_row_by_row(drafter):
         return BlockDrafting(drafter, target, padding)
     return RowByRowDrafting(drafter, target, padding, max_draft)
 
@@ -266,7 +271,7 @@ def judge_sampled(processed: torch.Tensor, draft: BatchDraft) -> tuple[torch.Lon
     rows = torch.arange(p.shape[0], device=p.device)
     target_next = p[rows, accepted]
     rejected = accepted < draft.lengths
-    residual = (target_next - q[rows, accepted.clamp(max=max(k - 1, 0))]).clamp(min=0) if k else target_next
+    residual = (target_next - q[rows, accepted.clamp(max=k - 1)]).clamp(min=0)  # k >= 1: a step with drafts
     residual = torch.where(rejected[:, None] & (residual.sum(dim=-1, keepdim=True) > 0), residual, target_next)
     next_tokens = torch.multinomial(residual / residual.sum(dim=-1, keepdim=True), num_samples=1).squeeze(1)
     verified = torch.cat([tokens, tokens.new_zeros(p.shape[0], 1)], dim=1)

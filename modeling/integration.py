@@ -29,7 +29,7 @@ import transformers.generation.utils as generation_utils
 from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedModel
 
 from . import call_scope
-from .batched_decoding import batched_generate, check_batch, is_batched
+from .batched_decoding import batched_generate, check_batch, drafts_row_by_row, is_batched
 from .candidate_generator import (
     BlockProposer,
     DSparkProposer,
@@ -252,8 +252,7 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     if request.cache is not None:
         check_cached_prefix(request.cache, request.input_ids.shape[1])
     rows = request.input_ids.shape[0] * (request.generation_config.num_return_sequences or 1)
-    batch = (rows, drafter.config.model_type != BLOCK_DRAFTER_TYPE)  # block drafters draft the rows in one forward
-    schedule = CallSchedule(schedule_name, drafter, request.model, draft_length, batch)
+    schedule = CallSchedule(schedule_name, drafter, request.model, draft_length, (rows, drafts_row_by_row(drafter)))
     max_draft = schedule.policy.max_draft  # "heuristic" may grow past `draft_length`
     if batched:
         stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)

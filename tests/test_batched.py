@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from test_lossless import CONTINUED, DRAFTER_EXACT, EVERY_OUTPUT, EXACT, IMAGES, PARITY_DOC, REFUSED
+from test_lossless import FAMILIES as BUILDERS
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
@@ -27,21 +28,13 @@ from hf_hyperdflash.testing import (
     image_prompt,
     new_drafter,
     oracle_drafting,
-    tiny_deepseek_v4,
     tiny_glm5_next,
-    tiny_hy_v4,
-    tiny_qwen4_exp,
     tiny_qwen4_exp_composite,
 )
 
 pytestmark = pytest.mark.compat  # runs generate()'s own preparation with its internals: `pytest -m compat`
 
-FAMILIES = {
-    "deepseek_v4": lambda: tiny_deepseek_v4(0, index_n_heads=2),
-    "hy_v4": tiny_hy_v4,
-    "glm5_next": tiny_glm5_next,
-    "qwen4_exp": tiny_qwen4_exp,
-}
+FAMILIES = {name: BUILDERS[name] for name in ("deepseek_v4", "hy_v4", "glm5_next", "qwen4_exp")}
 # Rows below, inside and beyond the windows and indexer budgets, so left padding reaches into all of them
 ROW_LENGTHS = (5, 40, 13)
 NEW_TOKENS = 14
@@ -55,7 +48,7 @@ def targets():
 
     def get(family: str):
         if family not in built:
-            built[family] = FAMILIES[family]().eval()
+            built[family] = FAMILIES[family](0).eval()
         return built[family]
 
     return get
