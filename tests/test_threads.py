@@ -128,3 +128,26 @@ def test_call_hooks_run_only_in_their_call():
             pool.submit(module, torch.ones(2)).result()
         assert seen == ["before", "after"]
     assert not module._forward_pre_hooks and not module._forward_hooks
+
+
+def test_concurrent_batched_calls_each_give_plain_batched_decoding(deepseek_v4):
+    """Two threads, each a left-padded batch through the shipped drafters (one batched in one forward, one row by
+    row), beside a plain batched call: each as its serial plain batched decoding."""
+    target, drafters = deepseek_v4
+    prompts = [torch.randint(10, 500, (2, 12), generator=torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+    mask = torch.tensor([[0, 0, 0] + [1] * 9, [1] * 12])
+    batches = [
+        {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "pad_token_id": 0} for ids in prompts
+    ]
+    settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False}
+    expected = [target.generate(**batch, **settings) for batch in batches]
+    calls = [
+        lambda: target.generate(**batches[0], **settings, assistant_model=drafters[0]),
+        lambda: target.generate(**batches[1], **settings, assistant_model=drafters[1]),
+        lambda: target.generate(**batches[0], **settings),
+    ]
+    for _ in range(2):
+        got = _concurrently(calls)
+        assert (
+            torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[0])
+        )
