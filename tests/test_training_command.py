@@ -67,11 +67,13 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
     "l1": {"l1_weight", "total_steps"},
     "heads_l1": {"markov_rank", "l1_weight", "total_steps"},
     "heads_l1_sampled": {"markov_rank", "l1_weight", "temperature", "data_dir", "total_steps"},
-    "heads_l1_mixed": {"markov_rank", "l1_weight", "temperature", "data_dir", "total_steps"},
+    "heads_l1_mixed": {"markov_rank", "l1_weight", "temperature", "reply_weights", "data_dir", "total_steps"},
     "heads_l1x4": {"markov_rank", "l1_weight", "total_steps"},
     "heads_l1x16": {"markov_rank", "l1_weight", "total_steps"},
-    "heads_l1x4_mixed": {"markov_rank", "l1_weight", "temperature", "data_dir", "total_steps"},
-    "heads_l1x4_t07": {"markov_rank", "l1_weight", "temperature", "data_dir", "total_steps"},
+    "heads_l1x4_mixed": {"markov_rank", "l1_weight", "temperature", "reply_weights", "data_dir", "total_steps"},
+    "heads_l1x4_t07": {"markov_rank", "l1_weight", "temperature", "reply_weights", "data_dir", "total_steps"},
+    "heads_l1x4_mixed_w2": {"markov_rank", "l1_weight", "temperature", "reply_weights", "data_dir", "total_steps"},
+    "heads_l1x4_mixed_w3": {"markov_rank", "l1_weight", "temperature", "reply_weights", "data_dir", "total_steps"},
 }
 
 
@@ -199,6 +201,13 @@ def test_reply_temperatures_are_one_or_more_distinct_numbers(tmp_path):
     for bad, message in (([-1.0], ">= 0"), ([0.0, 0.0], "repeat"), ([], ">= 0"), (["hot"], ">= 0")):
         config.write_text(json.dumps({"temperature": bad, "output_dir": "x"}))
         with pytest.raises(ValueError, match=message):
+            resolve_settings(parse(["--config", str(config)]))
+    assert resolve_settings(parse(["--output-dir", "x", "--temperature", "0", "1"]))["reply_weights"] == [1, 1]
+    weighted = parse(["--output-dir", "x", "--temperature", "0", "1", "--reply-weights", "3", "1"])
+    assert resolve_settings(weighted)["reply_weights"] == [3, 1]
+    for temperatures, weights in (([0.0, 1.0], [2]), ([0.0, 1.0], [0, 1]), ([0.0], [1.5])):
+        config.write_text(json.dumps({"temperature": temperatures, "reply_weights": weights, "output_dir": "x"}))
+        with pytest.raises(ValueError, match="one whole number >= 1 per temperature"):
             resolve_settings(parse(["--config", str(config)]))
     assert reply_directories(Path("d"), [0.0]) == {0.0: Path("d")}
     assert reply_directories(Path("d"), [0.0, 1.0]) == {0.0: Path("d/temperature-0"), 1.0: Path("d/temperature-1")}

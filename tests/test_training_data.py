@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from hf_hyperdflash import reference
 from hf_hyperdflash.prompts import encode_prompt
 from hf_hyperdflash.testing import tiny_deepseek_v4
-from hf_hyperdflash.training.data import generate_replies, load_examples
+from hf_hyperdflash.training.data import generate_replies, load_examples, load_weighted_examples
 
 # Two prompts of each of three token lengths, so equal-length batches of two form.
 WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega"]
@@ -170,3 +170,15 @@ def test_two_jobs_on_one_data_dir_do_not_answer_a_prompt_twice(target, tokenizer
             job.result()
     lines = (tmp_path / "shard-000.jsonl").read_text().splitlines()
     assert sorted(json.loads(line)["index"] for line in lines) == list(range(len(PROMPTS)))
+
+
+def test_weighted_examples_repeat_each_folder_by_its_weight(target, tokenizer, tmp_path):
+    generate(target, tokenizer, tmp_path / "greedy")
+    generate(target, tokenizer, tmp_path / "sampled", temperature=1.0, seed=0)
+    greedy, sampled = load_examples(tmp_path / "greedy"), load_examples(tmp_path / "sampled")
+    weighted = load_weighted_examples([tmp_path / "greedy", tmp_path / "sampled"], [2, 1])
+    assert len(weighted) == 2 * len(greedy) + len(sampled)
+    for got, expected in zip(weighted, greedy + greedy + sampled, strict=True):
+        assert torch.equal(got["input_ids"], expected["input_ids"])
+    with pytest.raises(ValueError):
+        load_weighted_examples([tmp_path / "greedy"], [1, 1])

@@ -20,7 +20,7 @@ from ..modeling.strict_loading import check_drafter_path
 from ..prompts import encode_prompt, load_prompts
 from . import options
 from .curves import read_log
-from .data import generate_replies, load_examples, reply_directories
+from .data import generate_replies, load_weighted_examples, reply_directories
 from .loop import DataShards, LoopConfig
 from .losses import LossConfig
 from .options import DEFAULTS, DRAFTER_KINDS, DSPARK, add_train_arguments, resolve_settings
@@ -173,7 +173,7 @@ def run_train(args: argparse.Namespace) -> Path:
                 world_size=shards.count,
             )
         accelerator.wait_for_everyone()
-        examples = [e for d in reply_dirs.values() for e in load_examples(d, settings["max_length"])]
+        examples = load_weighted_examples(list(reply_dirs.values()), settings["reply_weights"], settings["max_length"])
     eval_prompts = []
     if settings["eval_prompts"]:
         messages = load_prompts(settings["eval_data"], settings["eval_split"], settings["eval_prompts"])

@@ -229,3 +229,14 @@ def load_examples(data_dir: str | Path, max_length: int | None = None) -> list[d
         if loss_mask[1:].any():
             examples.append({"input_ids": input_ids, "loss_mask": loss_mask})
     return examples
+
+
+def load_weighted_examples(
+    reply_dirs: Sequence[str | Path], weights: Sequence[int], max_length: int | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """The examples of each folder, listed `weight` times over, so that an epoch sees each reply that often."""
+    return [
+        example
+        for reply_dir, weight in zip(reply_dirs, weights, strict=True)
+        for example in load_examples(reply_dir, max_length) * weight
+    ]

@@ -75,6 +75,7 @@ DEFAULTS = {
     "replies": None,
     "max_new_tokens": 256,
     "temperature": [0.0],
+    "reply_weights": None,
     "thinking": False,
     "generation_batch_size": 8,
     "mixed_length_batches": False,
@@ -283,6 +284,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         type=float,
         nargs="+",
     )
+    _option(
+        data,
+        "--reply-weights",
+        "With several --temperature values: how many times each temperature's replies are seen per epoch, one "
+        "whole number per temperature (e.g. 2 1 trains on the greedy replies twice as often). Default: 1 each.",
+        type=int,
+        nargs="+",
+    )
     _option(data, "--thinking", "Chat template in thinking mode (enable_thinking).", action=flag)
     _option(data, "--generation-batch-size", "Prompts per target.generate call.", type=int)
     _option(
@@ -367,6 +376,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
+def _check_reply_weights(settings: dict) -> None:
+    weights = settings["reply_weights"]
+    if weights is None:
+        settings["reply_weights"] = [1] * len(settings["temperature"])
+        return
+    if len(weights) != len(settings["temperature"]) or any(
+        not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in weights
+    ):
+        raise ValueError(
+            f"reply_weights {weights} must give one whole number >= 1 per temperature {settings['temperature']}."
+        )
+    if settings["replies"] is not None and weights != [1]:
+        raise ValueError("reply_weights weigh generated replies by temperature; --replies takes none.")
+
+
 def resolve_settings(args: argparse.Namespace) -> dict:
     """Command-line flags, else the `--config` file, else the defaults; unknown config keys are an error."""
     try:
@@ -388,6 +412,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         raise ValueError(f"temperature must be one or more numbers >= 0, not {settings['temperature']}.")
     if len(set(settings["temperature"])) != len(settings["temperature"]):
         raise ValueError(f"temperature lists {settings['temperature']} with a repeat; give each temperature once.")
+    _check_reply_weights(settings)
     if settings["output_dir"] is None:
         raise ValueError("Pass --output-dir (or 'output_dir' in the config file).")
     return settings
