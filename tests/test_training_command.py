@@ -19,6 +19,7 @@ from hf_hyperdflash.training.command import (
 )
 from hf_hyperdflash.training.curves import read_log
 from hf_hyperdflash.training.data import reply_directories
+from hf_hyperdflash.training.options import recipe_markov_rank
 from hf_hyperdflash.training.trainer import build_drafter
 
 
@@ -58,8 +59,8 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
     # the reference drafter's 2,000 steps, so that it compares with the shipped drafter
     "distill_all_positions": {"kl_weight", "kl_positions", "teacher", "total_steps"},
     # against DSpark, at the reference drafter's 2,000 steps too (configs/reference_drafter_dspark.json: block 8)
-    "dspark_block5": {"drafter_kind", "block_size", "total_steps"},
-    "dspark_pre_collapse": {"drafter_kind", "conditioning", "total_steps"},
+    "dspark_block5": {"drafter_kind", "recipe", "block_size", "total_steps"},
+    "dspark_pre_collapse": {"drafter_kind", "recipe", "conditioning", "total_steps"},
     "hyperdflash_heads": {"markov_rank", "total_steps"},
     # the best-drafter ablations (docs/results.md, "The best drafter"), at 2,000 steps
     "heads_markov_only": {"markov_rank", "confidence_weight", "total_steps"},
@@ -74,6 +75,12 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
     "heads_l1x4_t07": {"markov_rank", "l1_weight", "temperature", "reply_weights", "data_dir", "total_steps"},
     "heads_l1x4_mixed_w2": {"markov_rank", "l1_weight", "temperature", "reply_weights", "data_dir", "total_steps"},
     "heads_l1x4_mixed_w3": {"markov_rank", "l1_weight", "temperature", "reply_weights", "data_dir", "total_steps"},
+    "heads_l1x4_mixed_w6": {"markov_rank", "l1_weight", "temperature", "reply_weights", "data_dir", "total_steps"},
+    "heads_l1x4_mixed_argmax": {
+        *("markov_rank", "l1_weight", "ce_label", "temperature", "reply_weights", "data_dir", "total_steps")
+    },
+    # DSpark on the same mixed replies as the hybrid recipe, at the reference drafters' steps
+    "dspark_mixed_w2": {"drafter_kind", "recipe", "temperature", "reply_weights", "data_dir", "total_steps"},
 }
 
 
@@ -193,7 +200,7 @@ def test_train_command_on_replies_from_a_serving_engine(target_dir, tmp_path):
 
 
 def test_reply_temperatures_are_one_or_more_distinct_numbers(tmp_path):
-    assert resolve_settings(parse(["--output-dir", "x"]))["temperature"] == [0.0]
+    assert resolve_settings(parse(["--output-dir", "x", "--recipe", "paper"]))["temperature"] == [0.0]
     assert resolve_settings(parse(["--output-dir", "x", "--temperature", "0", "1"]))["temperature"] == [0.0, 1.0]
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"temperature": 0.7, "output_dir": "x"}))  # one number, as older configs give it
@@ -211,6 +218,33 @@ def test_reply_temperatures_are_one_or_more_distinct_numbers(tmp_path):
             resolve_settings(parse(["--config", str(config)]))
     assert reply_directories(Path("d"), [0.0]) == {0.0: Path("d")}
     assert reply_directories(Path("d"), [0.0, 1.0]) == {0.0: Path("d/temperature-0"), 1.0: Path("d/temperature-1")}
+
+
+def test_the_recipe_fills_what_the_run_leaves_out(tmp_path):
+    """HyperDFlash trains with the hybrid recipe unless told otherwise; vanilla DFlash and DSpark as their papers."""
+    hybrid = resolve_settings(parse(["--output-dir", "x"]))
+    assert (hybrid["recipe"], hybrid["l1_weight"]) == ("hybrid", 4.0)
+    assert (hybrid["temperature"], hybrid["reply_weights"]) == ([0.0, 1.0], [6, 1])
+    assert recipe_markov_rank(hybrid, hidden_size=256) == 16 and recipe_markov_rank(hybrid, hidden_size=8) == 1
+    paper = resolve_settings(parse(["--output-dir", "x", "--recipe", "paper"]))
+    assert (paper["l1_weight"], paper["temperature"], paper["reply_weights"]) == (0.0, [0.0], [1])
+    assert recipe_markov_rank(paper, hidden_size=256) is None
+    vanilla = resolve_settings(parse(["--output-dir", "x", "--drafter-kind", "vanilla_dflash"]))
+    assert (vanilla["recipe"], vanilla["temperature"]) == ("paper", [0.0])
+    dspark = resolve_settings(parse(["--output-dir", "x", "--drafter-kind", "dspark"]))
+    assert (dspark["recipe"], dspark["temperature"]) == (None, [0.0])
+    assert recipe_markov_rank(dspark, hidden_size=256) is None, "DSpark's own rank is set when it is built"
+    with pytest.raises(ValueError, match="drop --recipe"):
+        resolve_settings(parse(["--output-dir", "x", "--drafter-kind", "dspark", "--recipe", "hybrid"]))
+    # what the run gives wins; the recipe's weights go with the recipe's temperatures only
+    given = ["--output-dir", "x", "--temperature", "0", "--l1-weight", "1", "--markov-rank", "4"]
+    given = resolve_settings(parse(given))
+    assert (given["temperature"], given["reply_weights"], given["l1_weight"]) == ([0.0], [1], 1.0)
+    assert recipe_markov_rank(given, hidden_size=256) == 4
+    tuned = resolve_settings(parse(["--output-dir", "x", "--init-from", "saved"]))
+    assert recipe_markov_rank(tuned, hidden_size=256) is None, "a saved drafter keeps its own heads"
+    served = resolve_settings(parse(["--output-dir", "x", "--replies", "replies.jsonl"]))
+    assert (served["temperature"], served["reply_weights"], served["l1_weight"]) == ([0.0], [1], 4.0)
 
 
 @pytest.mark.slow

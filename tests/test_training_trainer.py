@@ -13,10 +13,11 @@ import hf_hyperdflash  # noqa: F401  (generate() integration for the tau evaluat
 from hf_hyperdflash import DeepseekV4DSparkForDrafting, HyperDFlashForDrafting
 from hf_hyperdflash.loading import load_target
 from hf_hyperdflash.testing import tiny_deepseek_v4
-from hf_hyperdflash.training.collator import BlockCollator
+from hf_hyperdflash.training.collator import IGNORE_INDEX, BlockCollator
 from hf_hyperdflash.training.curves import read_log
 from hf_hyperdflash.training.loop import LoopConfig
 from hf_hyperdflash.training.losses import LossConfig
+from hf_hyperdflash.training.options import CE_LABELS
 from hf_hyperdflash.training.trainer import (
     DrafterWithFrozenTarget,
     build_drafter,
@@ -279,6 +280,24 @@ def test_the_l1_term_enters_the_loss_by_its_weight_and_pulls_the_draft_to_the_ta
     train_drafter(drafter, target, examples, tmp_path, loop(total_steps=30, log_every=5), losses, 8)
     train = [r for r in read_log(tmp_path / "log.jsonl") if "loss" in r]
     assert train[-1]["l1"] < train[0]["l1"] - 0.2
+
+
+def test_argmax_labels_are_the_targets_greedy_tokens_whatever_the_reply(tmp_path):
+    """ce_label="argmax": on the target's greedy replies the CE equals the reply's; with other reply tokens as labels
+    (a sampled reply's) it does not move, where the reply-labelled CE does."""
+    target, examples = peaked_target_and_examples()
+    rows = [example | {"epoch": 0, "index": index} for index, example in enumerate(examples[:2])]
+    batch = BlockCollator(4, 8, pad_token_id=0, seed=0)(rows)
+    batch.pop("num_tokens", None)
+    drafter = new_drafter(target)
+    reply, argmax = (DrafterWithFrozenTarget(drafter, target, LossConfig(ce_label=label)) for label in CE_LABELS)
+    assert torch.allclose(reply(**batch)["ce"], argmax(**batch)["ce"], atol=1e-5), "greedy replies: the same labels"
+    labelled = batch["labels"] != IGNORE_INDEX
+    other = batch | {"labels": torch.where(labelled, (batch["labels"] + 1) % target.config.vocab_size, IGNORE_INDEX)}
+    assert torch.allclose(argmax(**other)["ce"], argmax(**batch)["ce"], atol=1e-5)
+    assert not torch.allclose(reply(**other)["ce"], reply(**batch)["ce"], atol=1e-3)
+    with pytest.raises(ValueError, match="ce_label"):
+        LossConfig(ce_label="sampled")
 
 
 def test_each_head_alone_trains_the_other_off(tmp_path):

@@ -23,7 +23,7 @@ from .curves import read_log
 from .data import generate_replies, load_weighted_examples, reply_directories
 from .loop import DataShards, LoopConfig
 from .losses import LossConfig
-from .options import DEFAULTS, DRAFTER_KINDS, DSPARK, add_train_arguments, resolve_settings
+from .options import DEFAULTS, DRAFTER_KINDS, DSPARK, add_train_arguments, recipe_markov_rank, resolve_settings
 from .replies import load_replies
 from .telemetry import PROJECT, tracker_config, trackers
 from .trainer import build_drafter, optimizer_factory, train_drafter, without_markov_bias
@@ -121,6 +121,7 @@ def run_train(args: argparse.Namespace) -> Path:
         teacher=settings["teacher"],
         l1_weight=settings["l1_weight"],
         confidence_weight=settings["confidence_weight"],
+        ce_label=settings["ce_label"],
     )
     make_optimizer = optimizer_factory(settings["optimizer"])
     target_path = settings["target"] or _reference_target()
@@ -138,6 +139,7 @@ def run_train(args: argparse.Namespace) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     target, shards = _load_target(settings, target_path, accelerator)
 
+    settings["markov_rank"] = recipe_markov_rank(settings, target.config.get_text_config().hidden_size)
     torch.manual_seed(loop.seed)
     drafter = build_drafter(
         target,

@@ -15,6 +15,11 @@ target's real next-token distributions, weighted by the same slot decay. A sampl
 1 - L1 / 2 (speculative sampling's acceptance is one minus the total variation), so this is the quantity sampled
 decoding pays for; unlike the KL it does not conflict at later slots, since it compares against the target's
 distribution given the block's real earlier tokens, which is what verification conditions on once those were accepted.
+
+The cross-entropy's label at a slot is the reply's token (`ce_label="reply"`), or the target's most likely token after
+the reply so far (`"argmax"`): the token greedy verification accepts there. On greedy replies the two agree (up to
+the padding V4's compressors saw while the replies were generated in batches); on sampled replies "argmax" keeps the
+CE aligned with greedy decoding while the contexts, and the L1 term, follow the sampled distribution.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 
 from ..modeling.target_base import HyperConnectionTarget
 from .collator import IGNORE_INDEX
-from .options import TEACHERS  # the --teacher choices, defined where --help can read them without torch
+from .options import CE_LABELS, TEACHERS  # the choices, defined where --help can read them without torch
 
 
 @dataclass
@@ -37,10 +42,13 @@ class LossConfig:
     teacher: str = "mean_pool"  # "mean_pool" (paper) | "gated" (the target's real logits)
     l1_weight: float = 0.0  # the acceptance-aligned L1 term at every slot; 0 logs it only where it is computed
     confidence_weight: float = 1.0  # DSpark's confidence head's BCE, for drafters with the heads
+    ce_label: str = "reply"  # "reply" | "argmax" (the target's greedy token at each slot)
 
     def __post_init__(self):
         if self.teacher not in TEACHERS:
             raise ValueError(f"`teacher` must be one of {TEACHERS}, got {self.teacher!r}.")
+        if self.ce_label not in CE_LABELS:
+            raise ValueError(f"`ce_label` must be one of {CE_LABELS}, got {self.ce_label!r}.")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"`gamma` must be > 0 (math.inf for uniform weights), got {self.gamma!r}.")
         if self.kl_weight < 0 or self.kl_positions < 1:

@@ -27,6 +27,7 @@ from pathlib import Path
 QUANTIZATIONS = ("none", "8bit", "4bit")  # --target-quantization (trainer.load_target)
 TARGET_PARALLEL = ("none", "tp", "ep", "tp+ep")  # --target-parallel (hf_hyperdflash.distributed.PARALLEL_PLANS)
 TEACHERS = ("mean_pool", "gated")  # --teacher (losses.teacher_logits)
+CE_LABELS = ("reply", "argmax")  # --ce-label (losses.LossConfig)
 REPORT_TO = ("none", "tensorboard", "wandb", "all")  # --report-to (telemetry.trackers)
 
 DRAFTER_KINDS = {  # kind -> (reducer, conditioning)
@@ -34,6 +35,18 @@ DRAFTER_KINDS = {  # kind -> (reducer, conditioning)
     "vanilla_dflash": ("dense", "intermediate"),
 }
 DSPARK = "dspark"  # DeepSeek's block drafter (DeepseekV4DSparkForDrafting), a kind of its own
+
+# What a HyperDFlash or vanilla DFlash drafter trains with where the options themselves are left out (--recipe).
+# "hybrid", HyperDFlash's default, is the best recipe measured against DSpark (docs/results.md, "The best drafter"):
+# DSpark's Markov and confidence heads (`heads`: rank hidden size / 16, set once the target is loaded), the
+# acceptance-aligned L1 term weighted 4, and greedy and T=1 replies, the greedy ones seen six times per epoch.
+# "paper", vanilla DFlash's default, trains as the paper does: CE and KL on greedy replies, no heads.
+RECIPES = {
+    "hybrid": {"heads": True, "l1_weight": 4.0, "temperature": [0.0, 1.0], "reply_weights": [6, 1]},
+    "paper": {"heads": False, "l1_weight": 0.0, "temperature": [0.0], "reply_weights": [1]},
+}
+DEFAULT_RECIPES = {"hyperdflash": "hybrid", "vanilla_dflash": "paper"}
+HEADS_RANK_RATIO = 16  # DeepSeek's Markov rank: hidden size / 16 (256 at 4096)
 
 
 def _int_list(text: str) -> list[int]:
@@ -62,6 +75,7 @@ DEFAULTS = {
     "context_window": None,
     "target_layer_ids": None,
     "markov_rank": None,
+    "recipe": None,
     "init_from": None,
     "lora_rank": 0,
     "lora_alpha": 16.0,
@@ -74,7 +88,7 @@ DEFAULTS = {
     "data_dir": None,
     "replies": None,
     "max_new_tokens": 256,
-    "temperature": [0.0],
+    "temperature": None,
     "reply_weights": None,
     "thinking": False,
     "generation_batch_size": 8,
@@ -86,7 +100,8 @@ DEFAULTS = {
     "kl_weight": 0.1,
     "kl_positions": 2,
     "teacher": "mean_pool",
-    "l1_weight": 0.0,
+    "ce_label": "reply",
+    "l1_weight": None,
     "confidence_weight": 1.0,
     "markov_bias": True,
     # loop
@@ -238,8 +253,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--markov-rank",
         "Rank of DSpark's Markov head (the bias from the previous token). DSpark's default: hidden size / 16, "
         "DeepSeek's ratio (256 at 4096). > 0 on a HyperDFlash or vanilla DFlash drafter adds DSpark's Markov and "
-        "confidence heads (default 0: none).",
+        "confidence heads. Default: the --recipe's (hybrid: hidden size / 16; paper: none).",
         type=int,
+    )
+    _option(
+        drafter,
+        "--recipe",
+        "How a HyperDFlash or vanilla DFlash drafter trains where --markov-rank, --l1-weight, --temperature and "
+        "--reply-weights are left out. hybrid: DSpark's heads, L1 weight 4, greedy and T=1 replies weighted 6:1 "
+        "(the best measured, docs/results.md); paper: the paper's HyperDFlash (CE and KL, greedy replies). "
+        "Default: hybrid for HyperDFlash, paper for vanilla DFlash; DSpark trains with DeepSpec's objective.",
+        choices=list(RECIPES),
     )
     _option(
         drafter,
@@ -280,7 +304,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         data,
         "--temperature",
         "Sampling temperature of the replies; 0 = greedy (no top-k/top-p). Several (e.g. 0 1): every prompt is "
-        "answered once at each, stored in DATA_DIR/temperature-T, and the drafter trains on all of them.",
+        "answered once at each, stored in DATA_DIR/temperature-T, and the drafter trains on all of them. Default: "
+        "the --recipe's (hybrid: 0 1; paper and DSpark: 0).",
         type=float,
         nargs="+",
     )
@@ -288,7 +313,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         data,
         "--reply-weights",
         "With several --temperature values: how many times each temperature's replies are seen per epoch, one "
-        "whole number per temperature (e.g. 2 1 trains on the greedy replies twice as often). Default: 1 each.",
+        "whole number per temperature (e.g. 2 1 trains on the greedy replies twice as often). Default: the "
+        "--recipe's with its temperatures (hybrid: 6 1), else 1 each.",
         type=int,
         nargs="+",
     )
@@ -317,10 +343,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     _option(
         loss,
+        "--ce-label",
+        "Label of the cross-entropy at each block slot: the reply's token, or argmax, the target's most likely token "
+        "after the reply so far (what greedy verification accepts; on sampled replies it keeps the CE greedy).",
+        choices=list(CE_LABELS),
+    )
+    _option(
+        loss,
         "--l1-weight",
         "Weight of the acceptance-aligned term: at every slot, the L1 distance between the draft's and the target's "
         "next-token distributions (1 - L1/2 is a sampled draft's acceptance), with the CE's slot decay. DSpark "
-        "trains with DeepSpec's fixed weights instead.",
+        "trains with DeepSpec's fixed weights instead. Default: the --recipe's (hybrid: 4; paper: 0).",
         type=float,
     )
     _option(
@@ -376,6 +409,37 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
+def _apply_recipe(settings: dict) -> None:
+    """Fill the loss and data options the run left out from its recipe (RECIPES); the heads come later, once the
+    target's hidden size is known (`recipe_markov_rank`)."""
+    kind = settings["drafter_kind"] or "hyperdflash"
+    if kind == DSPARK:
+        if settings["recipe"] is not None:
+            raise ValueError(
+                "--recipe sets how HyperDFlash and vanilla DFlash drafters train; DSpark trains with "
+                "DeepSpec's objective: drop --recipe."
+            )
+        recipe = RECIPES["paper"]  # DSpark: the target's greedy replies, as DeepSpec trains it
+    else:
+        settings["recipe"] = settings["recipe"] or DEFAULT_RECIPES[kind]
+        recipe = RECIPES[settings["recipe"]]
+    if settings["l1_weight"] is None:
+        settings["l1_weight"] = recipe["l1_weight"]
+    if settings["temperature"] is None:
+        from_recipe = settings["replies"] is None  # replies generated elsewhere have no temperature to weigh
+        settings["temperature"] = list(recipe["temperature"]) if from_recipe else [0.0]
+        if settings["reply_weights"] is None and from_recipe:
+            settings["reply_weights"] = list(recipe["reply_weights"])
+
+
+def recipe_markov_rank(settings: dict, hidden_size: int) -> int | None:
+    """--markov-rank as given, else the recipe's: DeepSeek's ratio to the hidden size where the recipe has the heads
+    (a new HyperDFlash or vanilla DFlash drafter only: a saved one keeps its own)."""
+    if settings["markov_rank"] is not None or settings["init_from"] is not None or settings["recipe"] is None:
+        return settings["markov_rank"]
+    return max(hidden_size // HEADS_RANK_RATIO, 1) if RECIPES[settings["recipe"]]["heads"] else None
+
+
 def _check_reply_weights(settings: dict) -> None:
     weights = settings["reply_weights"]
     if weights is None:
@@ -404,6 +468,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         raise ValueError(f"Unknown keys {unknown} in {args.config}; valid keys: {sorted(DEFAULTS)}.")
     settings = {**DEFAULTS, **from_file}
     settings.update({name: value for name, value in vars(args).items() if name in DEFAULTS and value is not None})
+    _apply_recipe(settings)
     if not isinstance(settings["temperature"], list):  # a config file may give one number
         settings["temperature"] = [settings["temperature"]]
     if not settings["temperature"] or any(

@@ -27,7 +27,7 @@ from ..modeling.request_checks import check_compatible
 from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
 from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
-from .collator import BlockCollator
+from .collator import IGNORE_INDEX, BlockCollator
 from .curves import plot_curves
 from .dspark import DSparkWithFrozenTarget
 from .loop import DataShards, EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
@@ -41,6 +41,7 @@ from .losses import (
     teacher_logits,
 )
 from .options import DSPARK as DSPARK_KIND
+from .options import HEADS_RANK_RATIO
 
 # The draft layers' projections (attention and SwiGLU); the reducer, norms and mask embedding stay frozen.
 LORA_TARGET_MODULES = r".*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
@@ -116,7 +117,7 @@ def new_dspark(target: PreTrainedModel, **dspark) -> DeepseekV4DSparkForDrafting
     DeepSeek's ratio to the hidden size (256 at 4096) unless `dspark` sets them."""
     config = target.config.get_text_config()
     dspark.setdefault("dspark_noise_token_id", config.pad_token_id or 0)
-    dspark.setdefault("dspark_markov_rank", max(config.hidden_size // 16, 1))
+    dspark.setdefault("dspark_markov_rank", max(config.hidden_size // HEADS_RANK_RATIO, 1))
     return DeepseekV4DSparkForDrafting.from_target(target, **dspark)
 
 
@@ -147,8 +148,8 @@ class DrafterWithFrozenTarget(nn.Module):
         self.with_heads = config.markov_rank > 0
         if self.with_heads and not losses.confidence_weight:  # the Markov bias alone: the confidence head untouched
             _draft_model(drafter).confidence_head.requires_grad_(False)
-        # The target's real logits at every slot: the confidence head's label, and the L1 term's teacher
-        self.every_slot = self.with_heads or losses.l1_weight > 0
+        # The target's real logits at every slot: the confidence head's label, the L1 term's teacher, the argmax labels
+        self.every_slot = self.with_heads or losses.l1_weight > 0 or losses.ce_label == "argmax"
 
     @torch.no_grad()
     def _target_pass(self, input_ids: torch.LongTensor, anchor_positions: torch.LongTensor):
@@ -192,9 +193,12 @@ class DrafterWithFrozenTarget(nn.Module):
         if every_slot is None:
             return block_losses(logits, labels, teacher, self.losses)
         weights = slot_weights(labels, self.losses.gamma)
+        ce_labels = labels
+        if self.losses.ce_label == "argmax":
+            ce_labels = torch.where(labels == IGNORE_INDEX, labels, every_slot.argmax(dim=-1))
         if not self.with_heads:
             log_q = logits.float().log_softmax(dim=-1)
-            terms = block_terms(log_q, labels, teacher, self.losses) | {"l1": l1_term(log_q, every_slot, weights)}
+            terms = block_terms(log_q, ce_labels, teacher, self.losses) | {"l1": l1_term(log_q, every_slot, weights)}
             return terms | {"loss": terms["loss"] + self.losses.l1_weight * terms["l1"]}
         # DSpark's heads: the Markov bias of each slot's previous token (teacher-forced) and the confidence loss
         anchors = input_ids.gather(1, anchor_positions)
@@ -202,7 +206,7 @@ class DrafterWithFrozenTarget(nn.Module):
         drafter = _draft_model(self.drafter)
         bias, markov_embedding = drafter.markov(previous)
         log_q = (logits + bias).float().log_softmax(dim=-1)
-        terms = block_terms(log_q, labels, teacher, self.losses)
+        terms = block_terms(log_q, ce_labels, teacher, self.losses)
         residual = out.residual.unflatten(1, (blocks, -1))[:, :, 1:]
         confidence_logits = drafter.confidence_logit(residual, markov_embedding)
         heads = acceptance_terms(log_q, every_slot, confidence_logits, weights)
