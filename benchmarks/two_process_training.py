@@ -10,9 +10,10 @@ starts a single process in accelerate 1.15 (its multi-CPU mode needs `--mpirun_h
 
 Builds a tiny DeepSeek-V4 target with the reference tokenizer's vocabulary and two small prompt files, then
 runs `python -m hf_hyperdflash.training.command` under accelerate in two processes: each answers its half of
-the prompts (shard-000 / shard-001), DDP averages the drafter's gradients over gloo, the main process
-measures tau through `target.generate` and saves the drafter. Prints the wall time and the checks; exits
-non-zero when one fails. Run it twice with the same --work-dir: the second run resumes and has nothing to do.
+the prompts (shard-000 / shard-001, at each temperature of the default recipe), DDP averages the drafter's gradients
+over gloo, the main process measures tau through `target.generate` and saves the drafter. Prints the wall time and
+the checks; exits non-zero when one fails. Run it twice with the same --work-dir: the second run resumes and has
+nothing to do.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from hf_hyperdflash import HyperDFlashConfig, reference
 from hf_hyperdflash.testing import tiny_deepseek_v4
+from hf_hyperdflash.training.data import reply_directories
 
 PROMPTS = [
     {"prompt": "Name three primary colours."},
@@ -86,10 +88,12 @@ def check(work_dir: Path) -> list[str]:
     """Problems with the finished run (empty when it is what a two-process run must produce)."""
     out = work_dir / "out"
     problems = []
-    shards = {path.name: len(path.read_text().splitlines()) for path in sorted((out / "data").glob("shard-*.jsonl"))}
-    if sorted(shards) != ["shard-000.jsonl", "shard-001.jsonl"] or sum(shards.values()) != len(PROMPTS):
-        problems.append(f"expected both ranks to answer half of {len(PROMPTS)} prompts, got {shards}")
-    if json.loads((out / "train_settings.json").read_text())["num_processes"] != 2:
+    settings = json.loads((out / "train_settings.json").read_text())
+    for reply_dir in reply_directories(out / "data", settings["temperature"]).values():  # the recipe's: T=0 and T=1
+        shards = {path.name: len(path.read_text().splitlines()) for path in sorted(reply_dir.glob("shard-*.jsonl"))}
+        if sorted(shards) != ["shard-000.jsonl", "shard-001.jsonl"] or sum(shards.values()) != len(PROMPTS):
+            problems.append(f"expected both ranks to answer half of {len(PROMPTS)} prompts in {reply_dir}: {shards}")
+    if settings["num_processes"] != 2:
         problems.append("the training did not run in 2 processes")
     records = [json.loads(line) for line in (out / "run" / "log.jsonl").read_text().splitlines()]
     if not any("tau" in record for record in records) or not any("loss" in record for record in records):

@@ -51,6 +51,7 @@ def train_command(work: Path, out: Path, processes: int, *flags: str) -> list[st
     settings += ["--block-size", "4", "--num-layers", "1", "--anchors-per-sequence", "6", "--max-length", "96"]
     settings += ["--total-steps", str(STEPS), "--learning-rate", "3e-3", "--warmup-steps", "2", "--log-every", "1"]
     settings += ["--checkpoint-every", "4", "--eval-prompts", "0", "--output-dir", str(out)]
+    settings += ["--recipe", "paper"]  # greedy replies in one folder (the two-process benchmark runs the hybrid)
     return [*launch, *settings, *flags]
 
 
