@@ -46,7 +46,11 @@ RECIPES = {
     "paper": {"heads": False, "l1_weight": 0.0, "temperature": [0.0], "reply_weights": [1]},
 }
 DEFAULT_RECIPES = {"hyperdflash": "hybrid", "vanilla_dflash": "paper"}
-HEADS_RANK_RATIO = 16  # DeepSeek's Markov rank: hidden size / 16 (256 at 4096)
+
+
+def deepseek_markov_rank(hidden_size: int) -> int:
+    """DeepSeek's Markov-head rank for a hidden size: hidden size / 16 (256 at 4096), at least 1."""
+    return max(hidden_size // 16, 1)
 
 
 def _int_list(text: str) -> list[int]:
@@ -437,7 +441,7 @@ def recipe_markov_rank(settings: dict, hidden_size: int) -> int | None:
     (a new HyperDFlash or vanilla DFlash drafter only: a saved one keeps its own)."""
     if settings["markov_rank"] is not None or settings["init_from"] is not None or settings["recipe"] is None:
         return settings["markov_rank"]
-    return max(hidden_size // HEADS_RANK_RATIO, 1) if RECIPES[settings["recipe"]]["heads"] else None
+    return deepseek_markov_rank(hidden_size) if RECIPES[settings["recipe"]]["heads"] else None
 
 
 def _check_reply_weights(settings: dict) -> None:

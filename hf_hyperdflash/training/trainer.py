@@ -41,7 +41,7 @@ from .losses import (
     teacher_logits,
 )
 from .options import DSPARK as DSPARK_KIND
-from .options import HEADS_RANK_RATIO
+from .options import deepseek_markov_rank
 
 # The draft layers' projections (attention and SwiGLU); the reducer, norms and mask embedding stay frozen.
 LORA_TARGET_MODULES = r".*layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
@@ -117,7 +117,7 @@ def new_dspark(target: PreTrainedModel, **dspark) -> DeepseekV4DSparkForDrafting
     DeepSeek's ratio to the hidden size (256 at 4096) unless `dspark` sets them."""
     config = target.config.get_text_config()
     dspark.setdefault("dspark_noise_token_id", config.pad_token_id or 0)
-    dspark.setdefault("dspark_markov_rank", max(config.hidden_size // HEADS_RANK_RATIO, 1))
+    dspark.setdefault("dspark_markov_rank", deepseek_markov_rank(config.hidden_size))
     return DeepseekV4DSparkForDrafting.from_target(target, **dspark)
 
 
