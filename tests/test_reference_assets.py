@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
 
 from hf_hyperdflash import DeepseekV4DSparkForDrafting, HyperDFlashForDrafting, reference
@@ -93,6 +94,32 @@ def test_drafters_stage_ships_trained_drafters_as_bf16(tmp_path):
         assert getattr(shipped.config, "conditioning", None) == getattr(drafter.config, "conditioning", None)
         for key, value in drafter.state_dict().items():
             torch.testing.assert_close(shipped.state_dict()[key].to(torch.bfloat16), value.to(torch.bfloat16))
+
+
+def test_drafters_stage_replaces_only_the_drafters_asked_for(tmp_path):
+    target = tiny_deepseek_v4()
+    for seed, runs in enumerate(["first", "second"]):
+        torch.manual_seed(seed)
+        for kind in reference.DRAFTER_KINDS:
+            drafter = HyperDFlashForDrafting.from_target(target, block_size=4)
+            drafter.save_pretrained(tmp_path / runs / kind / "drafter")
+    (tmp_path / "first" / "dspark").mkdir()  # no trained DSpark: the full export would refuse
+    export_drafters(tmp_path / "first", tmp_path / "assets", ["hyperdflash", "vanilla_dflash"])
+    before = {
+        kind: load_file(tmp_path / "assets" / f"drafter_{kind}" / "model.safetensors")
+        for kind in reference.DRAFTER_KINDS
+    }
+    export_drafters(tmp_path / "second", tmp_path / "assets", ["hyperdflash"])
+    after = {
+        kind: load_file(tmp_path / "assets" / f"drafter_{kind}" / "model.safetensors")
+        for kind in reference.DRAFTER_KINDS
+    }
+    assert not (tmp_path / "assets" / "dspark").exists()
+    assert after["vanilla_dflash"].keys() == before["vanilla_dflash"].keys()
+    assert all(torch.equal(after["vanilla_dflash"][k], before["vanilla_dflash"][k]) for k in before["vanilla_dflash"])
+    assert not all(torch.equal(after["hyperdflash"][k], before["hyperdflash"][k]) for k in before["hyperdflash"])
+    with pytest.raises(ValueError, match="Unknown drafters \\['medusa'\\]"):
+        export_drafters(tmp_path / "second", tmp_path / "assets", ["medusa"])
 
 
 def test_language_model_training_lowers_the_loss_and_plots_it(tmp_path):

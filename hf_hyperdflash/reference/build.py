@@ -2,6 +2,7 @@
 
     python -m hf_hyperdflash.reference.build --work-dir runs/reference
     python -m hf_hyperdflash.reference.build --stages drafters   # after the three `hyperdflash train` runs
+    python -m hf_hyperdflash.reference.build --stages drafters --drafters hyperdflash   # one of them
 
 Every stage is seeded and skips itself when its output exists; training stages checkpoint and resume,
 so re-running the same command after an interruption continues where it stopped. The result is
@@ -14,6 +15,7 @@ import argparse
 import hashlib
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ from .config import SEQUENCE_LENGTH, reference_target_config
 
 ASSETS = Path(__file__).parent / "assets"
 STAGES = ("tokenizer", "target", "mtp", "drafters")
+SHIPPED_DRAFTERS = (*DRAFTER_KINDS, "dspark")
 THINKING_PERCENT = 25  # share of training conversations rendered in thinking mode
 # Two warm-restart cycles of 2000 steps: the first cycle alone left the greedy replies looping (docs/reference.md).
 TARGET_LOOP = LoopConfig(
@@ -187,11 +190,19 @@ def export_bf16(model_class: type[PreTrainedModel], source: Path, destination: P
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def export_drafters(drafters_dir: Path, out: Path) -> None:
+def export_drafters(drafters_dir: Path, out: Path, kinds: Sequence[str] = SHIPPED_DRAFTERS) -> None:
     """Export `drafters_dir/<kind>/drafter`, as trained by `configs/reference_drafter_<kind>.json`, to `out`:
-    HyperDFlash and vanilla DFlash as `drafter_<kind>`, DSpark as `dspark`."""
-    exports = [(kind, HyperDFlashForDrafting, f"drafter_{kind}") for kind in DRAFTER_KINDS]
-    for kind, model_class, name in [*exports, ("dspark", DeepseekV4DSparkForDrafting, "dspark")]:
+    HyperDFlash and vanilla DFlash as `drafter_<kind>`, DSpark as `dspark`. Only `kinds` are exported, so one
+    retrained drafter replaces its shipped copy without the others' runs."""
+    unknown = set(kinds) - set(SHIPPED_DRAFTERS)
+    if unknown:
+        raise ValueError(f"Unknown drafters {sorted(unknown)}; choose from {','.join(SHIPPED_DRAFTERS)}.")
+    for kind in kinds:
+        model_class, name = (
+            (DeepseekV4DSparkForDrafting, "dspark")
+            if kind == "dspark"
+            else (HyperDFlashForDrafting, f"drafter_{kind}")
+        )
         source = drafters_dir / kind / "drafter"
         if not (source / "config.json").exists():
             raise ValueError(
@@ -211,6 +222,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--drafters-dir", type=Path, default=Path("runs/reference_drafters"), help="trained drafters (drafters stage)"
     )
+    parser.add_argument(
+        "--drafters",
+        default=",".join(SHIPPED_DRAFTERS),
+        help=f"comma-separated drafters the drafters stage exports (default: all of {','.join(SHIPPED_DRAFTERS)})",
+    )
     args = parser.parse_args(argv)
     stages = set(args.stages.split(","))
     unknown = stages - set(STAGES)
@@ -227,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     if "mtp" in stages:
         export_bf16(DeepseekV4MTPForDrafting, train_mtp(tokenizer, args.work_dir), args.out / "mtp")
     if "drafters" in stages:
-        export_drafters(args.drafters_dir, args.out)
+        export_drafters(args.drafters_dir, args.out, args.drafters.split(","))
 
 
 if __name__ == "__main__":
