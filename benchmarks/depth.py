@@ -24,7 +24,8 @@ On the 4-layer reference target vanilla DFlash conditions on a layer two below t
   the shipped 4-layer target's (74.9) on the same tokens.
 - replies: the target's own greedy replies to the 1,600 prompts (up to 128 tokens), as `hyperdflash train` makes
   them, 256 prompts per batch instead of 16 (left padding differs, which V4's compressors see, as in the recipe).
-- drafters: `hyperdflash train --config configs/reference_drafter_<kind>.json` on this target and those replies,
+- drafters: `hyperdflash train --config configs/reference_drafter_<kind>.json` on this target and those replies
+  (HyperDFlash and vanilla DFlash with `--recipe paper`: the paper's question, not the shipped hybrid's),
   every kind (`--kinds`: HyperDFlash, vanilla DFlash, DSpark) with the same steps and seed (vanilla DFlash's layers
   by DFlash's rule, `spread_target_layers`: 1 and 13 of 16; DSpark's the last three). The recipe's tau probe during
   training is off: it changes no weight, and the evaluation measures tau.
@@ -369,6 +370,7 @@ def train_arguments(out: Path, size: Size, kind: str, seed: int) -> list[str]:
         *("--num-prompts", str(size.train_prompts), "--max-new-tokens", str(size.reply_tokens)),
         *("--total-steps", str(size.drafter_steps), "--eval-prompts", "0", "--seed", str(seed)),
         *("--output-dir", str(out / "work" / drafter_name(kind, seed))),
+        *([] if kind == "dspark" else ["--recipe", "paper"]),  # the paper's drafters, on the greedy replies above
         *size.train_overrides,
     ]
 

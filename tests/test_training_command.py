@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from accelerate.state import AcceleratorState
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from hf_hyperdflash import DeepseekV4DSparkForDrafting, HyperDFlashForDrafting, reference
 from hf_hyperdflash.testing import tiny_deepseek_v4
@@ -80,7 +80,7 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
         *("markov_rank", "l1_weight", "ce_label", "temperature", "reply_weights", "data_dir", "total_steps")
     },
     # DSpark on the same mixed replies as the hybrid recipe, at the reference drafters' steps
-    "dspark_mixed_w2": {"drafter_kind", "recipe", "temperature", "reply_weights", "data_dir", "total_steps"},
+    "dspark_mixed_w6": {"drafter_kind", "recipe", "temperature", "reply_weights", "data_dir", "total_steps"},
 }
 
 
@@ -94,6 +94,16 @@ def test_shipped_configs_resolve_and_each_ablation_changes_only_what_it_names():
         settings = resolve_settings(parse(["--config", str(CONFIGS / "ablations" / f"{name}.json")]))
         differences = {key for key in settings if settings[key] != base[key]} - {"output_dir"}
         assert differences == changed, name
+
+
+def test_the_shipped_hyperdflash_drafter_trains_the_default_recipe_of_the_winning_ablation():
+    shipped = resolve_settings(parse(["--config", str(CONFIGS / "reference_drafter_hyperdflash.json")]))
+    ablation = resolve_settings(parse(["--config", str(CONFIGS / "ablations" / "heads_l1x4_mixed_w6.json")]))
+    assert shipped["recipe"] == "hybrid" and ablation["recipe"] == "paper"
+    hidden_size = AutoConfig.from_pretrained(reference.target_path()).hidden_size
+    shipped["markov_rank"] = recipe_markov_rank(shipped, hidden_size)
+    differences = {key for key in shipped if shipped[key] != ablation[key]}
+    assert differences == {"recipe", "output_dir", "data_dir"}
 
 
 def test_every_option_has_a_flag_and_help():
