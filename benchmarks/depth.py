@@ -89,7 +89,7 @@ from hf_hyperdflash.training.data import generate_replies
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 # The reference drafters' settings as `hyperdflash train` resolves them (both kinds share all but the kind)
-RECIPE = {**train_options.DEFAULTS, **json.loads((CONFIGS / "reference_drafter_hyperdflash.json").read_text())}
+RECIPE = {**train_options.DEFAULTS, **json.loads((CONFIGS / "reference_drafter_hyperdflash_paper.json").read_text())}
 STAGES = ("data", "target", "replies", "drafters", "eval")
 KINDS = ("hyperdflash", "vanilla_dflash", "dspark")  # each trains by configs/reference_drafter_<kind>.json
 RATE_SETTLE_SECONDS = 30  # a training's step rate is projected only after this long past its first logged step
