@@ -79,6 +79,10 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
     "heads_l1x4_mixed_argmax": {
         *("markov_rank", "l1_weight", "ce_label", "temperature", "reply_weights", "data_dir", "total_steps")
     },
+    # the shipped hybrid recipe (heads_l1x4_mixed_w6) at block 4
+    "hybrid_block_4": {
+        *("markov_rank", "l1_weight", "temperature", "reply_weights", "data_dir", "total_steps", "block_size")
+    },
     # DSpark on the same mixed replies as the hybrid recipe, at the reference drafters' steps
     "dspark_mixed_w6": {"drafter_kind", "recipe", "temperature", "reply_weights", "data_dir", "total_steps"},
 }
