@@ -36,7 +36,6 @@ from .config import SEQUENCE_LENGTH, reference_target_config
 
 ASSETS = Path(__file__).parent / "assets"
 STAGES = ("tokenizer", "target", "mtp", "drafters")
-SHIPPED_DRAFTERS = (*DRAFTER_KINDS, "dspark")
 THINKING_PERCENT = 25  # share of training conversations rendered in thinking mode
 # Two warm-restart cycles of 2000 steps: the first cycle alone left the greedy replies looping (docs/reference.md).
 TARGET_LOOP = LoopConfig(
@@ -190,7 +189,14 @@ def export_bf16(model_class: type[PreTrainedModel], source: Path, destination: P
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def export_drafters(drafters_dir: Path, out: Path, kinds: Sequence[str] = SHIPPED_DRAFTERS) -> None:
+# Each shipped drafter's kind (its `drafters_dir/<kind>` run), class and asset folder
+SHIPPED_DRAFTERS: dict[str, tuple[type[PreTrainedModel], str]] = {
+    **{kind: (HyperDFlashForDrafting, f"drafter_{kind}") for kind in DRAFTER_KINDS},
+    "dspark": (DeepseekV4DSparkForDrafting, "dspark"),
+}
+
+
+def export_drafters(drafters_dir: Path, out: Path, kinds: Sequence[str] = tuple(SHIPPED_DRAFTERS)) -> None:
     """Export `drafters_dir/<kind>/drafter`, as trained by `configs/reference_drafter_<kind>.json`, to `out`:
     HyperDFlash and vanilla DFlash as `drafter_<kind>`, DSpark as `dspark`. Only `kinds` are exported, so one
     retrained drafter replaces its shipped copy without the others' runs."""
@@ -198,11 +204,7 @@ def export_drafters(drafters_dir: Path, out: Path, kinds: Sequence[str] = SHIPPE
     if unknown:
         raise ValueError(f"Unknown drafters {sorted(unknown)}; choose from {','.join(SHIPPED_DRAFTERS)}.")
     for kind in kinds:
-        model_class, name = (
-            (DeepseekV4DSparkForDrafting, "dspark")
-            if kind == "dspark"
-            else (HyperDFlashForDrafting, f"drafter_{kind}")
-        )
+        model_class, name = SHIPPED_DRAFTERS[kind]
         source = drafters_dir / kind / "drafter"
         if not (source / "config.json").exists():
             raise ValueError(
