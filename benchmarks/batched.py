@@ -1,22 +1,30 @@
-"""Tokens per second of plain batched decoding and of batched speculative decoding, at several batch sizes.
+"""Batched speculative decoding against plain batched decoding, at several batch sizes, for each batch design.
 
-    python benchmarks/batched.py                                   # CPU: fp32, batches 1 2 4 8 16
-    python benchmarks/batched.py --device cuda                     # a GPU: bf16, the same table
-    python benchmarks/batched.py --drafters hyperdflash dspark --schedules adaptive constant
+    python benchmarks/batched.py                          # CPU: fp32, batches 1 2 4 8 16 32, both designs
+    python benchmarks/batched.py --device cuda            # a GPU: bf16, the same table
+    python benchmarks/batched.py --batch-sizes 4 16 --schedules constant
 
-The shipped reference target and drafters on held-out ShareGPT prompts, tokenized with the chat template and
-left-padded per batch. For each batch size, `--groups` batches of distinct prompts; per batch, plain and speculative
-greedy calls alternate `--repeats` times and the batch's ratio is the median plain time over the median speculative
-time. Printed per (drafter, schedule, batch size): tokens per second of each (median over batches; new tokens up to
-each row's end of sequence), the median ratio with its 95% percentile bootstrap interval over batches (an interval
-holding 1.00 is a tie), tau (the batch keeps every row's shortest accepted run) and row tau (had each row kept its own
-run: what the shortest run costs), drafts verified per step, and how many batches were identical to plain decoding.
+The shipped reference target and drafter on held-out ShareGPT prompts, tokenized with the chat template and
+left-padded per batch; every row generates the same number of tokens (no end-of-sequence stop), greedy. Designs:
+`keep` (the default: every row keeps the tokens it verified) and `shortest` (every row advances by the batch's
+shortest accepted run, `batch_max_lead=0`). Schedules: `adaptive` (the default) and `constant` (every step verifies
+the whole block). Per (schedule, batch size, design), over `--groups` batches of distinct prompts:
+
+- ratio: plain batched time over speculative time (calls interleaved `--repeats` times per batch, medians), the
+  median over batches with its 95% percentile bootstrap interval (an interval holding 1.00 is a tie);
+- tau: positions the batch's shared cache advanced per verify step;
+- tau kept: the verify steps the batch's slowest row takes alone over the verify steps the batch takes (1.0: the
+  batch is as fast as its slowest row alone, which no design that keeps one batch can beat);
+- row tau: tokens a row commits per verify step while it generates, beside the same rows' tau alone;
+- identical: batches token-identical to plain batched decoding.
+
 Ends with one JSON object of the same numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 
@@ -25,13 +33,14 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.evaluation.paired import median_with_interval
-from hf_hyperdflash.modeling.draft_options import ADAPTIVE_SCHEDULE, SCHEDULES
+from hf_hyperdflash.modeling.draft_options import ADAPTIVE_SCHEDULE, CONSTANT_SCHEDULE
 from hf_hyperdflash.modeling.generation_stats import synchronized_clock
 from hf_hyperdflash.prompts import load_prompts
 
 DRAFTERS = {"hyperdflash": reference.drafter_path("hyperdflash"), "dspark": reference.dspark_path()}
+DESIGNS = {"keep": None, "shortest": 0}  # `batch_max_lead` of each design
 SIZES = {
-    "cpu": {"groups": 4, "max_new_tokens": 64, "repeats": 2},
+    "cpu": {"groups": 4, "max_new_tokens": 48, "repeats": 2},
     "cuda": {"groups": 6, "max_new_tokens": 128, "repeats": 3},
 }
 
@@ -46,60 +55,87 @@ def batches(tokenizer, size: int, groups: int, device: str) -> list[dict]:
     ]
 
 
-def timed(target, inputs: dict, **kwargs) -> tuple[float, torch.Tensor]:
-    start = synchronized_clock()
-    output = target.generate(**inputs, do_sample=False, **kwargs)
-    return synchronized_clock() - start, output
+def rows_of(inputs: dict) -> list[dict]:
+    """Each row of a left-padded batch alone, without its padding."""
+    rows = []
+    for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"], strict=True):
+        real = mask.bool()
+        rows.append({"input_ids": ids[real][None], "attention_mask": mask[real][None]})
+    return rows
 
 
-def new_tokens(output: torch.Tensor, width: int, eos_id: int) -> int:
-    """Generated tokens of every row up to and including its first end-of-sequence token."""
-    total = 0
-    for row in output[:, width:].tolist():
-        total += row.index(eos_id) + 1 if eos_id in row else len(row)
-    return total
+class Runner:
+    def __init__(self, target, drafter, generation_config):
+        self.target, self.drafter, self.generation_config = target, drafter, generation_config
+
+    def plain(self, inputs: dict) -> tuple[float, torch.Tensor]:
+        start = synchronized_clock()
+        output = self.target.generate(**inputs, generation_config=self.generation_config)
+        return synchronized_clock() - start, output
+
+    def speculative(self, inputs: dict, schedule: str, lead: int | None) -> tuple[float, torch.Tensor]:
+        self.drafter.generation_config.num_assistant_tokens_schedule = schedule
+        self.drafter.generation_config.batch_max_lead = lead
+        start = synchronized_clock()
+        output = self.target.generate(**inputs, generation_config=self.generation_config, assistant_model=self.drafter)
+        return synchronized_clock() - start, output
+
+    def alone(self, inputs: dict, schedule: str) -> list[tuple[int, float]]:
+        """(verify steps, tau) of each row decoded alone."""
+        results = []
+        for row in rows_of(inputs):
+            self.speculative(row, schedule, None)
+            stats = self.drafter.last_generation_stats
+            results.append((stats.decoding_steps, stats.mean_accepted_length))
+        return results
 
 
-def measure(target, drafter, inputs_list: list[dict], max_new_tokens: int, repeats: int, eos_id: int) -> dict:
-    ratios, plain_rates, spec_rates, taus, row_taus, drafted, identical = [], [], [], [], [], [], 0
+def measure(runner: Runner, inputs_list: list[dict], schedule: str, repeats: int) -> dict[str, dict]:
+    """Every design on the same batches, interleaved with plain decoding."""
+    per_design = {name: {"ratios": [], "taus": [], "kept": [], "row_taus": [], "identical": 0} for name in DESIGNS}
+    alone_taus = []
     for inputs in inputs_list:
-        plain_times, spec_times = [], []
-        for _ in range(repeats):  # interleaved: a slow spell of the machine hits both sides
-            seconds, plain = timed(target, inputs, max_new_tokens=max_new_tokens)
-            plain_times.append(seconds)
-            seconds, ours = timed(target, inputs, max_new_tokens=max_new_tokens, assistant_model=drafter)
-            spec_times.append(seconds)
-        identical += bool(torch.equal(plain, ours))
-        tokens = new_tokens(plain, inputs["input_ids"].shape[1], eos_id)
-        plain_rates.append(tokens / statistics.median(plain_times))
-        spec_rates.append(tokens / statistics.median(spec_times))
-        ratios.append(statistics.median(plain_times) / statistics.median(spec_times))
-        stats = drafter.last_generation_stats
-        taus.append(stats.mean_accepted_length)
-        one_row = inputs["input_ids"].shape[0] == 1
-        row_taus.append(stats.mean_accepted_length if one_row else stats.row_mean_accepted_length)
-        drafted.append(stats.drafted_per_step)
-    ratio, low, high = median_with_interval(ratios)
-    finite = lambda values: [v for v in values if v == v] or [float("nan")]  # noqa: E731  (NaN: no drafted step)
-    return {
-        "plain_tok_s": statistics.median(plain_rates),
-        "speculative_tok_s": statistics.median(spec_rates),
-        "ratio": ratio,
-        "interval": [low, high],
-        "tau": statistics.mean(finite(taus)),
-        "row_tau": statistics.mean(finite(row_taus)),
-        "drafted_per_step": statistics.mean(drafted),
-        "identical": f"{identical}/{len(inputs_list)}",
-    }
+        alone = runner.alone(inputs, schedule)
+        slowest_alone = max(steps for steps, _ in alone)
+        alone_taus += [tau for _, tau in alone]
+        times = {name: [] for name in ["plain", *DESIGNS]}
+        outputs, last_stats = {}, {}
+        for _ in range(repeats):  # interleaved: a slow spell of the machine hits every side
+            seconds, outputs["plain"] = runner.plain(inputs)
+            times["plain"].append(seconds)
+            for name, lead in DESIGNS.items():
+                seconds, outputs[name] = runner.speculative(inputs, schedule, lead)
+                times[name].append(seconds)
+                last_stats[name] = runner.drafter.last_generation_stats
+        for name, stats in last_stats.items():
+            result = per_design[name]
+            result["ratios"].append(statistics.median(times["plain"]) / statistics.median(times[name]))
+            result["taus"].append(stats.mean_accepted_length if stats.accepted_per_step else 1.0)
+            result["kept"].append(slowest_alone / stats.decoding_steps)
+            result["row_taus"].append(stats.row_tau if len(stats.row_taus) > 1 else stats.mean_accepted_length)
+            result["identical"] += bool(torch.equal(outputs["plain"], outputs[name]))
+    summary = {}
+    for name, result in per_design.items():
+        ratio, low, high = median_with_interval(result["ratios"])
+        summary[name] = {
+            "ratio": ratio,
+            "interval": [low, high],
+            "tau": statistics.mean(result["taus"]),
+            "tau_kept": statistics.mean(result["kept"]),
+            "row_tau": statistics.mean(result["row_taus"]),
+            "row_tau_alone": statistics.mean(alone_taus),
+            "identical": f"{result['identical']}/{len(inputs_list)}",
+        }
+    return summary
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--drafters", nargs="+", choices=list(DRAFTERS), default=["hyperdflash"])
-    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=[ADAPTIVE_SCHEDULE])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--drafter", choices=list(DRAFTERS), default="hyperdflash")
+    parser.add_argument("--schedules", nargs="+", default=[ADAPTIVE_SCHEDULE, CONSTANT_SCHEDULE])
     parser.add_argument("--groups", type=int, help="batches per size (default: 4 on CPU, 6 on CUDA)")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--repeats", type=int)
@@ -108,39 +144,31 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("No CUDA device here; run with --device cpu.")
     torch.set_num_threads(args.threads)
-    size = SIZES[args.device] | {
-        name: value
-        for name, value in (
-            ("groups", args.groups),
-            ("max_new_tokens", args.max_new_tokens),
-            ("repeats", args.repeats),
-        )
-        if value is not None
-    }
+    overrides = {"groups": args.groups, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
+    size = SIZES[args.device] | {name: value for name, value in overrides.items() if value is not None}
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path(), padding_side="left")
     target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=dtype).to(args.device).eval()
+    drafter = AutoModel.from_pretrained(DRAFTERS[args.drafter], dtype=dtype).to(args.device).eval()
+    generation_config = copy.deepcopy(target.generation_config)
+    generation_config.update(
+        max_new_tokens=size["max_new_tokens"], do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
+    )
+    runner = Runner(target, drafter, generation_config)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    report = {"device": device_name, "dtype": str(dtype), **size, "rows": []}
-    columns = ["drafter", "schedule", "batch", "plain tok/s", "speculative tok/s", "ratio (95% CI)", "tau", "row tau"]
-    columns += ["drafted/step", "identical"]
+    report = {"device": device_name, "dtype": str(dtype), "drafter": args.drafter, **size, "rows": []}
+    columns = ["schedule", "batch", "design", "ratio (95% CI)", "tau", "tau kept", "row tau (alone)", "identical"]
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
-    for batch_size in args.batch_sizes:
-        inputs_list = batches(tokenizer, batch_size, size["groups"], args.device)
-        for name in args.drafters:
-            drafter = AutoModel.from_pretrained(DRAFTERS[name], dtype=dtype).to(args.device).eval()
-            for schedule in args.schedules:
-                drafter.generation_config.num_assistant_tokens_schedule = schedule
-                row = measure(
-                    target, drafter, inputs_list, size["max_new_tokens"], size["repeats"], tokenizer.eos_token_id
-                )
-                report["rows"].append({"drafter": name, "schedule": schedule, "batch": batch_size, **row})
+    for schedule in args.schedules:
+        for batch_size in args.batch_sizes:
+            inputs_list = batches(tokenizer, batch_size, size["groups"], args.device)
+            for design, row in measure(runner, inputs_list, schedule, size["repeats"]).items():
+                report["rows"].append({"schedule": schedule, "batch": batch_size, "design": design, **row})
                 low, high = row["interval"]
-                rates = f"{row['plain_tok_s']:.0f} | {row['speculative_tok_s']:.0f}"
                 print(
-                    f"| {name} | {schedule} | {batch_size} | {rates} "
-                    f"| {row['ratio']:.2f}x ({low:.2f}-{high:.2f}) | {row['tau']:.2f} | {row['row_tau']:.2f} "
-                    f"| {row['drafted_per_step']:.2f} | {row['identical']} |",
+                    f"| {schedule} | {batch_size} | {design} | {row['ratio']:.2f}x ({low:.2f}-{high:.2f}) "
+                    f"| {row['tau']:.2f} | {row['tau_kept']:.2f} | {row['row_tau']:.2f} ({row['row_tau_alone']:.2f}) "
+                    f"| {row['identical']} |",
                     flush=True,
                 )
     print(json.dumps(report, indent=2))

@@ -327,9 +327,18 @@ class OracleProposer:
     sampled drafts really come from q, as speculative sampling requires.
     """
 
-    def __init__(self, vocab_size: int, reference: torch.LongTensor | None, corruption: float, seed: int = 0):
+    def __init__(
+        self,
+        vocab_size: int,
+        reference: torch.LongTensor | None,
+        corruption: float,
+        seed: int = 0,
+        padding: list[int] | None = None,
+    ):
+        """`padding`: each row's left padding in `reference`'s columns (batch rows draft from their own anchors)."""
         self.vocab_size, self.reference, self.corruption = vocab_size, reference, corruption
         self.generator = torch.Generator().manual_seed(seed)
+        self.padding = padding
 
     def _hint(self, row: int, position: int) -> int:
         random_token = int(torch.randint(self.vocab_size, (1,), generator=self.generator))
@@ -338,16 +347,25 @@ class OracleProposer:
         corrupt = float(torch.rand(1, generator=self.generator)) < self.corruption
         return random_token if corrupt else int(self.reference[row, position])
 
-    def propose(self, features, positions, input_ids, num_tokens, pick, schedule, context_mask=None, rows=None):
+    def propose(
+        self, features, positions, input_ids, num_tokens, pick, schedule, context_mask=None, rows=None,
+        anchor_positions=None,
+    ):
         """A draft for every row of `input_ids` (a batch: `reference` holds a row per row, in the same columns)."""
-        from .modeling.candidate_generator import Draft, _pick_sequentially, draft_confidences
+        from .modeling.candidate_generator import Draft, _pick_sequentially, batch_confidence, row_confidences
 
         batch, start = input_ids.shape
-        hints = torch.tensor([[self._hint(row, start + k) for k in range(num_tokens)] for row in range(batch)])
+        if anchor_positions is None:
+            starts = [start] * batch
+        else:
+            padding = self.padding or [0] * batch
+            starts = [int(anchor_positions[row, 0]) + padding[row] + 1 for row in range(batch)]
+        hints = torch.tensor([[self._hint(row, starts[row] + k) for k in range(num_tokens)] for row in range(batch)])
         probs = torch.full((batch, num_tokens, self.vocab_size), 0.3 / self.vocab_size)
         probs.scatter_add_(-1, hints[..., None], torch.full((batch, num_tokens, 1), 0.7))
         tokens, logits = _pick_sequentially(input_ids, probs.log().to(input_ids.device), pick)
-        return Draft(tokens, logits, draft_confidences(logits, rows), drafter_forwards=1)
+        confidences = row_confidences(logits)
+        return Draft(tokens, logits, batch_confidence(confidences, rows), 1, confidences)
 
 
 @contextmanager

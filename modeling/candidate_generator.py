@@ -55,14 +55,18 @@ def batch_confidence(confidences: torch.Tensor, rows: torch.Tensor | None = None
     return confidences.prod(dim=0).tolist()
 
 
-def draft_confidences(logits: torch.Tensor, rows: torch.Tensor | None = None) -> list[float]:
-    """The drafter's confidence at each drafted position ([B, k, V] processed logits): its top probability (of a
-    batch, `batch_confidence`).
+def row_confidences(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's confidence at each drafted position ([B, k, V] processed logits): its top probability, [B, k].
 
     Not the probability of the drawn token: in sampling, a draft length that looked at the drawn token would bias
     the output (only what is known before a position is drawn may decide whether it is verified).
     """
-    return batch_confidence(logits.softmax(dim=-1).amax(dim=-1), rows)
+    return logits.softmax(dim=-1).amax(dim=-1)
+
+
+def draft_confidences(logits: torch.Tensor, rows: torch.Tensor | None = None) -> list[float]:
+    """The drafter's confidence at each drafted position (of a batch, `batch_confidence` of `row_confidences`)."""
+    return batch_confidence(row_confidences(logits), rows)
 
 
 def drafted_token_probabilities(logits: torch.Tensor, tokens: torch.LongTensor) -> list[float]:
@@ -83,13 +87,15 @@ class StepSchedule(Protocol):
 
 @dataclass
 class Draft:
-    """One proposal: the drafted tokens [1, k], the processed logits they were picked from [1, k, V], the drafter's
-    confidence at each position (`draft_confidences`), and the drafter forwards it took."""
+    """One proposal: the drafted tokens [B, k], the processed logits they were picked from [B, k, V], the drafter's
+    confidence at each position (`draft_confidences`; each row's own in `row_confidences`, [B, k]), and the drafter
+    forwards it took."""
 
     tokens: torch.LongTensor
     logits: torch.Tensor
     confidences: list[float]
     drafter_forwards: int
+    row_confidences: torch.Tensor
 
     @property
     def token_probabilities(self) -> list[float]:
@@ -118,22 +124,22 @@ class BlockProposer:
         schedule: StepSchedule,
         context_mask: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
+        anchor_positions: torch.LongTensor | None = None,
     ) -> Draft:
         """The whole block in one forward; the schedule then chooses how many drafts to verify (with DSpark's heads,
-        as DSparkProposer does). A batch of rows drafts in the same forward: `positions` are each row's own (left
-        padding makes them lag the column), `context_mask` marks its padding, `rows` the rows whose confidence
-        counts (`batch_confidence`)."""
+        as DSparkProposer does). A batch of rows drafts in the same forward, each from the last token of its row of
+        `input_ids`: `positions` and `anchor_positions` [B, 1] are each row's own (left padding makes them lag the
+        column), `context_mask` marks the context each row sees, `rows` the rows whose confidence counts
+        (`batch_confidence`)."""
         device, dtype = self.drafter.device, self.drafter.dtype
         anchor_embeds = self.target.embed(input_ids[:, -1:])
-        if context_mask is None:
-            anchor_position = torch.full((input_ids.shape[0], 1), input_ids.shape[1] - 1, device=device)
-        else:  # the anchor follows the newest context position of its row
-            anchor_position = positions[:, -1:].to(device) + 1
+        if anchor_positions is None:
+            anchor_positions = torch.full((input_ids.shape[0], 1), input_ids.shape[1] - 1, device=device)
         out = self.drafter(
             anchor_embeds=anchor_embeds.to(device, dtype),
             target_hidden=features.to(device, dtype),
             context_position_ids=positions.to(device),
-            anchor_position_ids=anchor_position,
+            anchor_position_ids=anchor_positions.to(device),
             context_mask=None if context_mask is None else context_mask.to(device),
             cache=self.cache,
         )
@@ -141,7 +147,8 @@ class BlockProposer:
         if self.drafter.config.markov_rank:  # DSpark's heads: drawn left to right, as DSpark drafts
             return draw_with_heads(self.drafter, logits, out.residual[:, 1:], input_ids, pick, schedule, rows)
         tokens, processed = _pick_sequentially(input_ids, logits, pick)
-        return Draft(tokens, processed, draft_confidences(processed, rows), drafter_forwards=1)
+        confidences = row_confidences(processed)
+        return Draft(tokens, processed, batch_confidence(confidences, rows), 1, confidences)
 
 
 class MTPProposer:
@@ -194,7 +201,8 @@ class MTPProposer:
             logits, residual = self._step(token, residual, next_position)
         depth = len(all_logits)
         self.cache.crop(-(depth - 1))  # the deeper steps saw unverified tokens; keep only real context
-        return Draft(candidates[:, input_ids.shape[1] :], torch.stack(all_logits, dim=1), confidences, depth)
+        logits = torch.stack(all_logits, dim=1)
+        return Draft(candidates[:, input_ids.shape[1] :], logits, confidences, depth, row_confidences(logits))
 
 
 class DSparkProposer:
@@ -251,17 +259,21 @@ def draw_with_heads(
     exact. A batch's confidence is the product of its rows' among `rows` (`batch_confidence`)."""
     device = residual.device
     candidates, processed, confidences, previous = input_ids, [], [], input_ids[:, -1:]
+    per_row = []
     for k in range(logits.shape[1]):
         bias, markov_embedding = drafter.markov(previous.to(device))
-        confidence = batch_confidence(drafter.confidence(residual[:, k : k + 1], markov_embedding), rows)[0]
+        row_confidence = drafter.confidence(residual[:, k : k + 1], markov_embedding)  # [B, 1]
+        confidence = batch_confidence(row_confidence, rows)[0]
         if not schedule.verifies([*confidences, confidence]):
             break
         confidences.append(confidence)
+        per_row.append(row_confidence.float())
         previous, row = pick(candidates, logits[:, k] + bias[:, 0].to(logits.device))
         candidates = torch.cat([candidates, previous], dim=-1)
         processed.append(row)
-    rows = torch.stack(processed, dim=1) if processed else logits[:, :0]
-    return Draft(candidates[:, input_ids.shape[1] :], rows, confidences, drafter_forwards=1)
+    drafted = torch.stack(processed, dim=1) if processed else logits[:, :0]
+    confidences_per_row = torch.cat(per_row, dim=1) if per_row else logits.new_zeros(logits.shape[0], 0)
+    return Draft(candidates[:, input_ids.shape[1] :], drafted, confidences, 1, confidences_per_row)
 
 
 def _pick_sequentially(

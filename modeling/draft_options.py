@@ -24,13 +24,15 @@ SCHEDULES = (ADAPTIVE_SCHEDULE, HEURISTIC_SCHEDULE, HEURISTIC_TRANSIENT_SCHEDULE
 DEFAULT_SCHEDULE = ADAPTIVE_SCHEDULE
 # The adaptive schedule's cost model, in plain decoding steps, by the target's device type and the drafter's kind:
 # one drafter forward with the step's bookkeeping (`draft_cost`) and each draft a verify forward carries besides the
-# token plain decoding feeds (`verify_cost`); a drafter's `generation_config.draft_cost` and `.verify_cost` override.
+# token plain decoding feeds (`verify_cost`); a batched drafter's forward grows by `draft_row_cost` per row of a batch
+# (measured: 0.49 of a plain step at batch 1 and 4, 0.82 at 16, `benchmarks/batched.py`'s profile in docs/batched.md);
+# a drafter's `generation_config.draft_cost`, `.verify_cost` and `.draft_row_cost` override.
 # "cpu": the shipped pair on this project's CPU (`benchmarks/draft_costs.py`); "cuda" (any other accelerator too):
 # the block drafter on one H200 (`benchmarks/gpu.py`), native MTP and DSpark not measured there (docs/results.md,
 # "Draft costs").
 DRAFT_COSTS_BY_DEVICE = {
     "cpu": {
-        BLOCK_DRAFTER_TYPE: {"draft_cost": 0.49, "verify_cost": 0.09},
+        BLOCK_DRAFTER_TYPE: {"draft_cost": 0.49, "verify_cost": 0.09, "draft_row_cost": 0.022},
         MTP_DRAFTER_TYPE: {"draft_cost": 0.33, "verify_cost": 0.09},
         DSPARK_DRAFTER_TYPE: {"draft_cost": 1.28, "verify_cost": 0.09},
     },

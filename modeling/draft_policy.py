@@ -51,6 +51,26 @@ class StepRecord:
     drafter_forwards: int  # 0: the step decoded without the drafter; 1 per block; 1 per MTP depth
 
 
+@dataclass(frozen=True)
+class RowStep:
+    """One row of a batched step: its drafts' confidences, how many were verified and accepted."""
+
+    confidences: list[float]
+    proposed: int
+    accepted: int
+
+
+@dataclass(frozen=True)
+class BatchStepRecord:
+    """A batched decoding step as a policy learns from it: its rows, the new tokens a row committed on average,
+    the drafted positions of its verify forward and the drafter forwards spent."""
+
+    rows: list[RowStep]
+    tokens: float
+    width: int
+    drafter_forwards: int
+
+
 class DraftPolicy(ABC):
     """What the candidate generator asks each step: whether to draft, how many tokens to draft at most, whether a
     sequential drafter (one forward per token) drafts one more, and how many of the drafts to verify; then it
@@ -80,6 +100,15 @@ class DraftPolicy(ABC):
     def record(self, step: StepRecord) -> None:
         """After the step: learn from how it went."""
 
+    def choose_width(self, ahead: Sequence[int], confidences: Sequence[Sequence[float]]) -> int:
+        """A batch (`batched_drafting.py`): how many drafted positions its verify forward carries. Row r feeds its
+        `ahead[r]` committed tokens first, then its drafts (their confidences). Default: every row's whole draft."""
+        return max((a - 1 + len(c) for a, c in zip(ahead, confidences, strict=True) if c), default=0)
+
+    @abstractmethod
+    def record_batch(self, step: BatchStepRecord) -> None:
+        """After a batched step: learn from how it went."""
+
 
 class ConstantDraftPolicy(DraftPolicy):
     """Every step drafts and verifies `max_draft` tokens (transformers' "constant" schedule)."""
@@ -94,6 +123,9 @@ class ConstantDraftPolicy(DraftPolicy):
         return len(confidences)
 
     def record(self, step: StepRecord) -> None:
+        pass
+
+    def record_batch(self, step: BatchStepRecord) -> None:
         pass
 
 
@@ -115,7 +147,13 @@ class HeuristicDraftPolicy(ConstantDraftPolicy):
         return self.num_assistant_tokens
 
     def record(self, step: StepRecord) -> None:
-        length = self.num_assistant_tokens + 2 if step.accepted == step.proposed else self.num_assistant_tokens - 1
+        self._grow(step.accepted == step.proposed)
+
+    def record_batch(self, step: BatchStepRecord) -> None:
+        self._grow(all(row.accepted == row.proposed for row in step.rows))
+
+    def _grow(self, all_accepted: bool) -> None:
+        length = self.num_assistant_tokens + 2 if all_accepted else self.num_assistant_tokens - 1
         self.num_assistant_tokens = min(max(length, 1), self.max_draft)
 
 
@@ -125,6 +163,7 @@ class DraftCosts:
 
     draft_cost: float  # one drafter forward
     verify_cost: float  # each draft a verify forward carries besides the token plain decoding feeds
+    draft_row_cost: float = 0.0  # what each further row of a batch adds to a batched drafter's forward
 
     def step(self, drafter_forwards: int, verified: int) -> float:
         return 1.0 + self.draft_cost * drafter_forwards + self.verify_cost * verified
@@ -142,16 +181,20 @@ class DraftCosts:
         return cls(**costs)
 
     def for_batch(self, batch_size: int, drafts_row_by_row: bool) -> DraftCosts:
-        """The same costs for a batch, relative to a plain step of the batch. A forward's cost is a fixed part (the
-        weights read once) plus a part per token row; `verify_cost`, one more token on a one-row forward, says how
-        they split. So each draft costs a batch `batch_size` rows of that per-row part, a share of the plain step that
-        grows with the batch; a drafter that drafts row by row pays its forward once per row, a batched one about as
-        the target does."""
+        """The same costs for a batch, relative to a plain step of the batch. A plain batched step pays a fixed part
+        (the weights read once) plus a part per row (its own cache to attend over and update), so it grows with the
+        batch; `verify_cost`, one more token on a one-row forward, says how they split. A draft adds a position to
+        every row's forward, which attends over the same cache: measured on CPU (`benchmarks/verify_width_cost.py`),
+        a forward 8 positions wide costs about the same share of the plain step at batch 1 and at batch 16, so
+        `verify_cost` holds per drafted position of the batch. A batched drafter's forward grows with the batch by
+        `draft_row_cost` per further row; one that drafts row by row pays its forward once per row."""
         per_row = self.verify_cost / (1.0 - self.verify_cost)  # per-row part over the fixed part
         plain_one, plain_batch = 1.0 + per_row, 1.0 + batch_size * per_row
-        verify = batch_size * per_row / plain_batch
-        draft = self.draft_cost * (batch_size * plain_one / plain_batch if drafts_row_by_row else 1.0)
-        return DraftCosts(draft_cost=draft, verify_cost=verify)
+        if drafts_row_by_row:
+            draft = self.draft_cost * batch_size * plain_one / plain_batch
+        else:
+            draft = self.draft_cost + self.draft_row_cost * (batch_size - 1)
+        return DraftCosts(draft_cost=draft, verify_cost=self.verify_cost, draft_row_cost=self.draft_row_cost)
 
 
 def expected_tokens(acceptance: Sequence[float]) -> list[float]:
@@ -243,11 +286,40 @@ class AdaptiveDraftPolicy(DraftPolicy):
     def _pays(self, steps: Sequence[tuple[int, float]]) -> bool:
         return sum(tokens for tokens, _ in steps) >= (1.0 - self.margin) * sum(cost for _, cost in steps)
 
+    def choose_width(self, ahead: Sequence[int], confidences: Sequence[Sequence[float]]) -> int:
+        """The width with the best expected rate of new tokens per row: a row adds its bonus token plus the drafts
+        it is expected to accept when the forward reaches its newest token (a row further ahead adds none), and every
+        drafted position costs the batch `verify_cost`. Each row's drafts are verified as far as the forward reaches,
+        decided from confidences known before its tokens were drawn, as for one row."""
+        widest = super().choose_width(ahead, confidences)
+        reach = [expected_tokens([self.calibration.probability(c) for c in row]) for row in confidences]
+
+        def rate(width: int) -> float:
+            tokens = [
+                row_reach[min(width - a + 1, len(row_reach) - 1)] if a <= width + 1 else 0.0
+                for a, row_reach in zip(ahead, reach, strict=True)
+            ]
+            return sum(tokens) / len(tokens) / self.costs.step(1, width)
+
+        best = 0  # the rate rises to its best width and then falls: stop where it first stops rising
+        while best < widest and rate(best + 1) > rate(best):
+            best += 1
+        return max(best, min(1, widest)) if self.probing else best
+
     def record(self, step: StepRecord) -> None:
         if not step.drafter_forwards:
             return
         self.calibration.update(step.confidences, step.proposed, step.accepted)
-        drafted = (step.accepted + 1, self.costs.step(step.drafter_forwards, step.proposed))
+        self._learn_pace(step.accepted + 1, self.costs.step(step.drafter_forwards, step.proposed))
+
+    def record_batch(self, step: BatchStepRecord) -> None:
+        for row in step.rows:
+            self.calibration.update(row.confidences, row.proposed, row.accepted)
+        self._learn_pace(step.tokens, self.costs.step(max(step.drafter_forwards, 1), step.width))
+
+    def _learn_pace(self, tokens: float, cost: float) -> None:
+        """Whether drafting pays over the recent drafted steps; if not, wait longer and longer before probing."""
+        drafted = (tokens, cost)
         self.recent.append(drafted)
         probe, self.probing = self.probing, False
         if self._pays(self.recent):

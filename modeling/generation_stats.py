@@ -59,9 +59,9 @@ class GenerationStats:
     accepted_per_step: list[int] = field(default_factory=list)
     proposed_per_step: list[int] = field(default_factory=list)
     skipped_steps: int = 0  # steps after the prefill that decoded plainly, without a drafter forward
-    # A batch keeps every row's shortest accepted run: per drafted step, the mean over its generating rows of the
-    # drafts each row's own verification accepted (what rows that each kept their own run would have kept)
-    row_accepted_per_step: list[float] = field(default_factory=list)
+    # A batch: per row, the tokens it committed per verify step while it generated (`BatchRows.row_taus`); the
+    # batch's own tau above counts the positions its shared cache advanced per step
+    row_taus: list[float] = field(default_factory=list)
 
     @property
     def decoding_steps(self) -> int:
@@ -83,9 +83,10 @@ class GenerationStats:
         return mean_accepted_length(self.accepted_per_step)
 
     @property
-    def row_mean_accepted_length(self) -> float:
-        """tau had each row of a batch kept its own accepted run (NaN for one prompt, or no drafted step)."""
-        return mean_accepted_length(self.row_accepted_per_step)
+    def row_tau(self) -> float:
+        """A batch's rows' mean tokens per verify step while they generate (NaN for one prompt)."""
+        finite = [tau for tau in self.row_taus if tau == tau]
+        return sum(finite) / len(finite) if finite else float("nan")
 
     @property
     def acceptance_per_position(self) -> list[float]:

@@ -29,7 +29,8 @@ import transformers.generation.utils as generation_utils
 from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedModel
 
 from . import call_scope
-from .batched_decoding import batched_generate, check_batch, drafts_row_by_row, is_batched
+from .batched_decoding import MAX_LEAD, batched_generate
+from .batched_drafting import drafts_row_by_row
 from .candidate_generator import (
     BlockProposer,
     DSparkProposer,
@@ -51,11 +52,13 @@ from .rank_agreement import (
     weights_fingerprint,
 )
 from .request_checks import (
+    check_batch,
     check_cached_prefix,
     check_compatible,
     check_confidence_threshold,
     check_prompt,
     draft_schedule,
+    is_batched,
     num_draft_tokens,
     refuse_batched_options,
     refuse_incompatible_options,
@@ -256,7 +259,7 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     max_draft = schedule.policy.max_draft  # "heuristic" may grow past `draft_length`
     if batched:
         stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)
-        cache = _call_cache(target, request.cache, max_draft)
+        cache = _call_cache(target, request.cache, max_draft + MAX_LEAD)  # a batch's forward may reach past a block
         output = batched_generate(original_generate, request, target, cache, drafter, schedule.policy, stats)
         return _finish(output, request, drafter, schedule, stats, start)
     if drafter.config.model_type == BLOCK_DRAFTER_TYPE:

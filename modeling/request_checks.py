@@ -192,3 +192,43 @@ def check_cached_prefix(cache: Cache, prompt_length: int) -> None:
             f"The target cache passed in already holds {cached_length(cache)} tokens, but the prompt has "
             f"{prompt_length}: pass the whole conversation so far plus at least one new token."
         )
+
+
+def is_batched(input_ids: torch.LongTensor, num_return_sequences: int | None) -> bool:
+    return input_ids.shape[0] > 1 or (num_return_sequences or 1) > 1
+
+
+def left_padding(attention_mask: torch.Tensor) -> torch.LongTensor:
+    """Padding tokens at the start of each row of a left-padded `attention_mask` [B, L]."""
+    return (attention_mask == 0).sum(dim=1)
+
+
+def check_batch(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, tensors: dict) -> None:
+    """A batch speculative decoding can serve: every row left-padded (its mask zeros, then ones), and the prompt, mask
+    and other tensor inputs on one device."""
+    devices = {name: value.device for name, value in tensors.items() if isinstance(value, torch.Tensor)}
+    if len(set(devices.values()) | {input_ids.device}) > 1:
+        where = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(
+            f"The batch's inputs are on different devices (input_ids on {input_ids.device}, {where}); move them to "
+            "one device, e.g. `inputs.to(target.device)`."
+        )
+    if attention_mask is None:
+        return
+    mask = attention_mask.bool()
+    empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"Rows {empty} of the attention mask are all padding; drop them from the batch.")
+    unpadded_after = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)  # a real token followed by padding
+    right = (unpadded_after & ~mask[:, -1]).nonzero().flatten().tolist()
+    if right:
+        raise ValueError(
+            f"Rows {right} are padded on the right. Batched generation needs left padding: set "
+            "`tokenizer.padding_side = 'left'` before tokenizing the prompts."
+        )
+    holes = unpadded_after.nonzero().flatten().tolist()
+    if holes:
+        raise ValueError(
+            f"Rows {holes} of the attention mask have padding between real tokens; speculative decoding takes "
+            "left-padded rows only (zeros, then ones). Tokenize the prompts with `padding_side='left'`."
+        )

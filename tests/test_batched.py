@@ -73,11 +73,18 @@ def drafter_for(target, kind: str):
     return drafter
 
 
+def padding_of(inputs: dict, reference_ids) -> list[int] | None:
+    """Each row's left padding, where the oracle follows a reference."""
+    if reference_ids is None or "attention_mask" not in inputs:
+        return None
+    return (inputs["attention_mask"] == 0).sum(dim=1).tolist()
+
+
 def speculative(target, kind, drafter, reference_ids, inputs, corruption=0.3, seed=0, **kwargs):
     """generate() with `drafter`; block drafts come from an oracle over `reference_ids` (one row per row)."""
     vocab = target.config.get_text_config().vocab_size
     with (
-        oracle_drafting(OracleProposer(vocab, reference_ids, corruption, seed))
+        oracle_drafting(OracleProposer(vocab, reference_ids, corruption, seed, padding_of(inputs, reference_ids)))
         if kind in BLOCK_KINDS
         else nullcontext()
     ):
@@ -103,9 +110,9 @@ def test_every_row_is_plain_batched_decodings(targets, family, kind):
     assert torch.equal(got, expected)
     stats = drafter.last_generation_stats
     assert stats.new_tokens == NEW_TOKENS
-    if kind in BLOCK_KINDS:  # the oracle is right often enough that some step keeps drafts of every row
+    if kind in BLOCK_KINDS:  # the oracle is right often enough that every row keeps drafts
         assert max(stats.accepted_per_step) >= 1
-        assert stats.row_mean_accepted_length >= stats.mean_accepted_length
+        assert min(stats.row_taus) > 1
 
 
 def test_rows_that_stop_early_are_padded_as_plain_decoding_pads_them(targets):
@@ -265,27 +272,30 @@ def test_per_step_attentions_hidden_states_and_streamers_are_refused_for_a_batch
         )
 
 
-def test_batch_costs_grow_with_the_batch_and_row_by_row_drafting_costs_more():
+def test_a_batch_pays_each_drafted_position_as_one_row_does_and_row_by_row_drafting_more():
     costs = DraftCosts(draft_cost=0.49, verify_cost=0.09)
     alone = costs.for_batch(1, drafts_row_by_row=True)
     assert (alone.draft_cost, alone.verify_cost) == pytest.approx((costs.draft_cost, costs.verify_cost))
-    by_batch = [costs.for_batch(rows, drafts_row_by_row=False) for rows in (1, 2, 4, 8, 16)]
-    verify = [c.verify_cost for c in by_batch]
-    assert verify == sorted(verify) and verify[-1] > 5 * verify[0] and verify[-1] < 1
-    assert costs.for_batch(8, True).draft_cost > costs.for_batch(8, False).draft_cost
+    for rows in (2, 4, 8, 16):
+        batched = costs.for_batch(rows, drafts_row_by_row=False)
+        assert (batched.draft_cost, batched.verify_cost) == pytest.approx((costs.draft_cost, costs.verify_cost))
+        by_row = costs.for_batch(rows, drafts_row_by_row=True).draft_cost
+        assert costs.draft_cost < by_row < rows * costs.draft_cost
+    growing = DraftCosts(draft_cost=0.49, verify_cost=0.09, draft_row_cost=0.02)
+    assert growing.for_batch(16, drafts_row_by_row=False).draft_cost == pytest.approx(0.49 + 15 * 0.02)
 
 
-def test_the_schedule_drafts_less_as_the_batch_grows(targets):
-    """Under the default schedule, with drafts right about half the time: the more rows must all accept a draft, and
-    the more a draft costs the batch, the fewer drafts a step verifies."""
+def test_the_schedule_drafts_less_where_rows_accept_less(targets):
+    """Under the default schedule: drafts right most of the time are verified deeper than drafts right about a
+    third of the time, in a batch as for one row."""
     target = targets("hy_v4")
+    inputs = left_padded_batch(target.config.vocab_size, lengths=(12,) * 4, seed=3)
+    greedy = {"max_new_tokens": 30, "do_sample": False}
+    expected = target.generate(**inputs, pad_token_id=PAD, **greedy)
     drafted = []
-    for rows in (1, 8):
-        inputs = left_padded_batch(target.config.vocab_size, lengths=(12,) * rows, seed=3)
-        greedy = {"max_new_tokens": 30, "do_sample": False}
-        expected = target.generate(**inputs, pad_token_id=PAD, **greedy)
+    for corruption in (0.05, 0.7):
         drafter = new_drafter(target, "hyperdflash")
-        got = speculative(target, "hyperdflash", drafter, expected, inputs, corruption=0.5, **greedy)
+        got = speculative(target, "hyperdflash", drafter, expected, inputs, corruption=corruption, **greedy)
         assert torch.equal(got, expected)
         drafted.append(drafter.last_generation_stats.drafted_per_step)
     assert drafted[1] < drafted[0]

@@ -1,0 +1,128 @@
+"""What each row of a batched speculative call has committed, beyond the cache all rows share.
+
+Invariants (`batched_decoding.py` relies on them):
+- The target cache holds `cache_length` positions for every row, and at each one the row's committed token: the token
+  plain batched decoding holds at that index.
+- Row r has committed `committed[r]` columns (prompt included), at least `cache_length + 1`: the ones past the cache
+  are fed again, ahead of the row's drafts, in the next verify forward; they are never judged again.
+- The stopping criteria see the batch as plain decoding shows it to them: once per length, in order, each time with
+  every row holding that many columns and their scores (`checked`).
+- A row that stopped while the generation has an end-of-sequence id holds padding from its stop on, as plain decoding
+  pads it; it is committed as far as the batch goes (`ended`), so it never holds the batch back.
+- `scores[r]` / `raw_logits[r]` hold, per new column in order, what the target gave for it from a forward whose
+  inputs up to it were the row's committed tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+ENDED = 1 << 40  # the committed length of a row padded from its stop on
+
+
+class BatchRows:
+    def __init__(self, input_ids: torch.LongTensor, max_length: int, pad_id: int, has_eos: bool, keep: tuple):
+        batch, self.prompt_width = input_ids.shape
+        self.ids = input_ids.new_full((batch, max_length + 1), pad_id)
+        self.ids[:, : self.prompt_width] = input_ids
+        self.pad_id, self.has_eos = pad_id, has_eos
+        self.keep_scores, self.keep_logits = keep
+        self.committed = [self.prompt_width] * batch
+        self.checked = self.prompt_width  # lengths the criteria have seen
+        self.stopped_at: list[int | None] = [None] * batch  # the length at which the criteria stopped each row
+        self.history: list[list[int]] = []  # every row's committed length after each verify step
+        self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        self.raw_logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+
+    @property
+    def batch(self) -> int:
+        return len(self.committed)
+
+    def ended(self, row: int) -> bool:
+        return self.committed[row] >= ENDED
+
+    def stopped(self, row: int) -> bool:
+        return self.stopped_at[row] is not None
+
+    @property
+    def final_length(self) -> int | None:
+        """The length of every output row once all rows stopped: where the last of them stopped, as plain decoding
+        ends."""
+        if not all(self.stopped(row) for row in range(self.batch)):
+            return None
+        return max(self.stopped_at)
+
+    def complete(self, cache_length: int, cache_seen: bool) -> bool:
+        """Every row stopped and holds every column of the output; when the caller sees the cache (or the scores),
+        the cache holds all but the last one, as plain decoding leaves it."""
+        final = self.final_length
+        if final is None or min(self.committed) < final:
+            return False
+        return cache_length >= final - 1 or not cache_seen
+
+    def ahead(self, cache_length: int) -> list[int]:
+        """Per row: its committed tokens not in the cache (the newest included)."""
+        return [committed - cache_length for committed in self.committed]
+
+    def commit(self, row: int, tokens: list[int]) -> None:
+        start = self.committed[row]
+        self.ids[row, start : start + len(tokens)] = torch.tensor(tokens, device=self.ids.device)
+        self.committed[row] += len(tokens)
+
+    def check(self, criteria: Callable, scores_so_far: Callable[[int], tuple | None]) -> dict[int, int]:
+        """Show the criteria every length that all rows not padded now hold (with their scores), while a row still
+        generates. A row they stop is padded from its stop on when the generation has an end-of-sequence id; what it
+        committed past the stop goes, with the scores of those columns. Returns {row: stop length} of the rows
+        stopped here."""
+        stops: dict[int, int] = {}
+        while not all(self.stopped(row) for row in range(self.batch)):
+            held = min(self.committed)
+            if self.keep_scores:  # and the scores of the columns before it (the criteria are shown them)
+                held = min(held, *(self.recorded(row) + 1 for row in range(self.batch)))
+            if self.checked >= held:
+                break
+            self.checked += 1
+            verdict = criteria(self.ids[:, : self.checked], scores_so_far(self.checked)).tolist()
+            for row in [row for row in range(self.batch) if verdict[row] and not self.stopped(row)]:
+                stops[row] = self.stopped_at[row] = self.checked
+                if self.has_eos:
+                    self.ids[row, self.checked :] = self.pad_id
+                    self.committed[row] = ENDED
+                    kept = self.checked + 1 - self.prompt_width  # the column after the stop scores the stop token
+                    del self.scores[row][kept:], self.raw_logits[row][kept:]
+        return stops
+
+    def record(self, row: int, processed: torch.Tensor, logits: torch.Tensor) -> None:
+        """Scores (and raw logits) of the row's next new columns, in order."""
+        if self.keep_scores:
+            self.scores[row].extend(processed.unbind(0))
+        if self.keep_logits:
+            self.raw_logits[row].extend(logits.unbind(0))
+
+    def recorded(self, row: int) -> int:
+        """The last column whose score the row holds (what it keeps of scores and raw logits, both alike)."""
+        entries = self.scores[row] if self.keep_scores else self.raw_logits[row]
+        return self.prompt_width - 1 + len(entries)
+
+    def scores_up_to(self, length: int) -> tuple[torch.Tensor, ...] | None:
+        """The batch's scores of the new columns before `length`, as plain decoding shows them to the criteria."""
+        return self.stacked(self.scores, length) if self.keep_scores else None
+
+    def stacked(self, per_row: list[list[torch.Tensor]], length: int) -> tuple[torch.Tensor, ...]:
+        """Per new column before `length`: every row's entry, stacked as plain decoding returns them."""
+        return tuple(torch.stack([entries[j] for entries in per_row]) for j in range(length - self.prompt_width))
+
+    def sequences(self, length: int) -> torch.LongTensor:
+        return self.ids[:, :length].clone()
+
+    def row_taus(self) -> list[float]:
+        """Per row: tokens it committed per verify step while it generated (up to its stop; the first new token,
+        from the prefill, not counted)."""
+        taus = []
+        for row in range(self.batch):
+            stop = self.stopped_at[row]
+            steps = next((i + 1 for i, step in enumerate(self.history) if step[row] >= stop), len(self.history))
+            taus.append((stop - self.prompt_width - 1) / steps if steps else float("nan"))
+        return taus
