@@ -118,8 +118,8 @@ class BatchRows:
         return self.ids[:, :length].clone()
 
     def row_taus(self) -> list[float]:
-        """Per row: tokens it committed per verify step while it generated (up to its stop; the first new token,
-        from the prefill, not counted)."""
+        """Per row: tokens it committed per verify step while it generated (up to its stop; not counting the first
+        new token, which the prefill gives)."""
         taus = []
         for row in range(self.batch):
             stop = self.stopped_at[row]

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .candidate_generator import BlockProposer, DSparkProposer, MTPProposer, TokenPicker
-from .draft_options import BLOCK_DRAFTER_TYPE, DSPARK_DRAFTER_TYPE
+from .candidate_generator import BlockProposer, TokenPicker, make_proposer
+from .draft_options import BLOCK_DRAFTER_TYPE
 from .draft_policy import DraftPolicy
 from .target_base import HyperConnectionTarget
 
@@ -151,12 +151,7 @@ class RowByRowDrafting:
     row_by_row = True
 
     def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget, padding: list[int], max_draft: int):
-        def proposer() -> MTPProposer | DSparkProposer:
-            if drafter.config.model_type == DSPARK_DRAFTER_TYPE:
-                return DSparkProposer(drafter, target)
-            return MTPProposer(drafter, target, max_draft)
-
-        self.proposers = [proposer() for _ in padding]
+        self.proposers = [make_proposer(drafter, target, max_draft) for _ in padding]
         self.padding = padding
         self.seen: list[int | None] = [None] * len(padding)
         self.feature_layers = self.proposers[0].feature_layers

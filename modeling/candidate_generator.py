@@ -17,6 +17,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache_deepseek_v4 import RewindableDeepseekV4Cache
+from .draft_options import BLOCK_DRAFTER_TYPE, DSPARK_DRAFTER_TYPE
 from .draft_policy import ConfidenceThreshold, DraftPolicy, StepRecord
 from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
@@ -286,6 +287,17 @@ def _pick_sequentially(
         candidates = torch.cat([candidates, token], dim=-1)
         processed.append(row)
     return candidates[:, input_ids.shape[1] :], torch.stack(processed, dim=1)
+
+
+def make_proposer(
+    drafter: PreTrainedModel, target: HyperConnectionTarget, max_draft: int
+) -> BlockProposer | MTPProposer | DSparkProposer:
+    """The proposer for the drafter's kind (`max_draft`: the deepest a native MTP drafter drafts)."""
+    if drafter.config.model_type == BLOCK_DRAFTER_TYPE:
+        return BlockProposer(drafter, target)
+    if drafter.config.model_type == DSPARK_DRAFTER_TYPE:
+        return DSparkProposer(drafter, target)
+    return MTPProposer(drafter, target, max_draft)
 
 
 class SpeculativeCandidateGenerator(CandidateGenerator):

@@ -32,13 +32,11 @@ from . import call_scope
 from .batched_decoding import MAX_LEAD, batched_generate
 from .batched_drafting import drafts_row_by_row
 from .candidate_generator import (
-    BlockProposer,
-    DSparkProposer,
-    MTPProposer,
     SpeculativeCandidateGenerator,
     TokenPicker,
+    make_proposer,
 )
-from .draft_options import BLOCK_DRAFTER_TYPE, DRAFTER_TYPES, DSPARK_DRAFTER_TYPE
+from .draft_options import DRAFTER_TYPES
 from .draft_policy import CallSchedule
 from .generation_stats import GenerationStats, synchronized_clock
 from .indexer_ties import install_deterministic_indexer
@@ -262,12 +260,7 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
         cache = _call_cache(target, request.cache, max_draft + MAX_LEAD)  # a batch's forward may reach past a block
         output = batched_generate(original_generate, request, target, cache, drafter, schedule.policy, stats)
         return _finish(output, request, drafter, schedule, stats, start)
-    if drafter.config.model_type == BLOCK_DRAFTER_TYPE:
-        proposer = BlockProposer(drafter, target)
-    elif drafter.config.model_type == DSPARK_DRAFTER_TYPE:
-        proposer = DSparkProposer(drafter, target)
-    else:
-        proposer = MTPProposer(drafter, target, max_draft)
+    proposer = make_proposer(drafter, target, max_draft)
     stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)
     cache = _call_cache(target, request.cache, max_draft)
     with target.capture(proposer.feature_layers) as capture:

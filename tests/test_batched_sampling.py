@@ -1,7 +1,8 @@
 """Batched speculative sampling keeps every row's distribution (`test_batched.py` has the greedy and seeded tests).
 
 Each call samples a batch of two prompts, one left-padded, with two sequences each: four rows that accept different
-numbers of drafts in the same step, so every row's tokens are cut to the batch's shortest accepted run. A row's first
+numbers of drafts in the same step, so rows run ahead of the batch's shortest run and feed their committed tokens
+again; with an end-of-sequence id, rows also stop at different steps. A row's first
 `NEW_TOKENS` tokens are compared, by a Pearson chi-square test, with the exact distribution of its prompt, enumerated
 from the target as in `test_sampling.py` (the same tiny target with an 8-token vocabulary).
 """
@@ -64,24 +65,48 @@ def batched_samples(target, kind: str, settings: dict) -> tuple[list[torch.Tenso
                     pad_token_id=0,
                     **settings,
                 )
-                for row, tokens in enumerate(out[:, BATCH["input_ids"].shape[1] :]):
+                new = out[:, BATCH["input_ids"].shape[1] :]
+                new = torch.nn.functional.pad(new, (0, NEW_TOKENS - new.shape[1]))  # every row stopped early: padding
+                for row, tokens in enumerate(new):
                     counts[row // SEQUENCES][int((tokens * place_values).sum())] += 1
                 accepted += drafter.last_generation_stats.accepted_per_step
                 proposed += drafter.last_generation_stats.proposed_per_step
     return counts, accepted, proposed
 
 
+def padded_at_end_of_sequence(probs: torch.Tensor, eos: int) -> torch.Tensor:
+    """The distribution of continuations as plain decoding returns them: after the first `eos`, padding (0)."""
+    place_values = VOCAB ** torch.arange(NEW_TOKENS - 1, -1, -1)
+    padded = torch.zeros_like(probs)
+    for index, p in enumerate(probs.tolist()):
+        tokens = [(index // int(v)) % VOCAB for v in place_values]
+        if eos in tokens:
+            end = tokens.index(eos) + 1
+            tokens = tokens[:end] + [0] * (NEW_TOKENS - end)
+        padded[int((torch.tensor(tokens) * place_values).sum())] += p
+    return padded
+
+
 @pytest.mark.parametrize(
     "kind, settings",
-    [("hyperdflash", {}), ("mtp", {"temperature": 1.3}), ("dspark", {}), ("oracle", PROCESSED)],
-    ids=["untrained-hyperdflash", "mtp-temperature", "dspark", "oracle-temperature-top_k"],
+    [
+        ("hyperdflash", {}),
+        ("mtp", {"temperature": 1.3}),
+        ("dspark", {}),
+        ("oracle", PROCESSED),
+        ("oracle", {"eos_token_id": 2}),
+    ],
+    ids=["untrained-hyperdflash", "mtp-temperature", "dspark", "oracle-temperature-top_k", "oracle-rows-that-stop"],
 )
 def test_every_row_of_a_batch_follows_its_prompts_distribution(target, kind, settings):
+    """With `eos_token_id`, rows stop at different steps (some inside a step whose drafts go past their stop)."""
     counts, accepted, proposed = batched_samples(target, kind, settings)
     assert {"full", "zero"} <= outcomes(accepted, proposed)
     for prompt, row_counts in enumerate(counts):
         inputs = {name: value[prompt : prompt + 1] for name, value in BATCH.items()}
         probs = exact_distribution(target, settings, inputs)
+        if "eos_token_id" in settings:
+            probs = padded_at_end_of_sequence(probs, settings["eos_token_id"])
         assert row_counts.sum() == len(SEEDS) * CALLS_PER_SEED * SEQUENCES
         assert row_counts[probs == 0].sum() == 0
         p_value = chi_square_p_value(row_counts, probs)
