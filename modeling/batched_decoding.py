@@ -25,7 +25,6 @@ without one they go on with their own tokens, as plain decoding lets them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -181,7 +180,7 @@ class BatchedSpeculativeLoop:
         cache_length = input_ids.shape[1]
         self.context_end = [cache_length] * rows.batch  # per row: its target features are valid before this column
 
-        with model._optimize_model_for_decode() if hasattr(model, "_optimize_model_for_decode") else nullcontext():
+        with model._optimize_model_for_decode():  # as transformers' decoding loops (batched_mm on CUDA MoE)
             # Once every row holds its output, one more forward fills the cache (and the last scores) as plain decoding
             # leaves them, only where the caller sees them
             cache_seen = self.cache_passed or bool(config.return_dict_in_generate)

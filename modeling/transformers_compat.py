@@ -118,6 +118,7 @@ _INTERNALS = [
     (GenerationMixin, "_prepare_attention_mask_for_generation"),
     (GenerationMixin, "_sample"),
     (GenerationMixin, "_prefill"),
+    (GenerationMixin, "_optimize_model_for_decode"),
     (GenerationMixin, "_update_model_kwargs_for_generation"),
     (candidate_generator, "_prepare_attention_mask"),
     (candidate_generator, "_prepare_position_ids"),
