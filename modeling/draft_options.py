@@ -25,7 +25,7 @@ DEFAULT_SCHEDULE = ADAPTIVE_SCHEDULE
 # The adaptive schedule's cost model, in plain decoding steps, by the target's device type and the drafter's kind:
 # one drafter forward with the step's bookkeeping (`draft_cost`) and each draft a verify forward carries besides the
 # token plain decoding feeds (`verify_cost`); a batched drafter's forward grows by `draft_row_cost` per row of a batch
-# (measured: 0.49 of a plain step at batch 1 and 4, 0.82 at 16, `benchmarks/batched.py`'s profile in docs/batched.md);
+# (a profiled batched call on the shipped pair: 0.49 of a plain batched step at batch 1 and 4, 0.82 at 16);
 # a drafter's `generation_config.draft_cost`, `.verify_cost` and `.draft_row_cost` override.
 # "cpu": the shipped pair on this project's CPU (`benchmarks/draft_costs.py`); "cuda" (any other accelerator too):
 # the block drafter on one H200 (`benchmarks/gpu.py`), native MTP and DSpark not measured there (docs/results.md,
