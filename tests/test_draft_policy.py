@@ -341,21 +341,3 @@ def test_a_seeded_sampling_script_prints_the_same_tokens_in_two_fresh_processes(
     ]
     first, second = (json.loads(run.strip().splitlines()[-1]) for run in runs)
     assert first == second and len(first) == 3
-
-
-def test_a_batch_verifies_every_rows_whole_draft_under_the_constant_schedule():
-    policy = ConstantDraftPolicy(7)
-    assert policy.choose_width([1, 3, 5], [[0.9] * 7, [0.9] * 7, []], most=11) == 9  # row 2 reaches position 9
-    assert policy.choose_width([1, 3], [[0.9] * 7, [0.9] * 7], most=8) == 8
-
-
-def test_a_batch_whose_drafts_are_expected_to_lose_verifies_none_where_the_choice_may_look_ahead():
-    """Four rows of low-confidence drafts: the best width's expected rate falls short of plain decoding's, so a
-    greedy step (or a drafter whose confidences do not follow its tokens) verifies none; where later confidences
-    follow the drawn tokens, only what is known before each draft decides, and the best width stays."""
-    policy = AdaptiveDraftPolicy(7, DraftCosts(0.49, 0.09, 0.022).for_batch(4, drafts_row_by_row=False))
-    confidences = [[0.3] * 7] * 4
-    assert policy.choose_width([1] * 4, confidences, most=11, look_ahead=True) == 0
-    assert policy.choose_width([1] * 4, confidences, most=11, look_ahead=False) > 0
-    confident = [[0.95] * 7] * 4
-    assert policy.choose_width([1] * 4, confident, most=11, look_ahead=True) > 0
