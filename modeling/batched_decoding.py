@@ -246,8 +246,7 @@ class BatchedSpeculativeLoop:
             self.features = self.features[:, keep_from - self.features_start :]
             self.features_start = keep_from
         limiting = [not rows.ended(r) for r in range(rows.batch)]
-        look_ahead = not self.config.do_sample or not self.drafting.confidences_follow_tokens
-        width = 1 + self.drafts.cut(self.policy, ahead, anchors, limiting, min(most + MAX_LEAD, room), look_ahead)
+        width = 1 + self.drafts.cut(self.policy, ahead, anchors, limiting, min(most + MAX_LEAD, room))
         return Step(width, ahead, anchors, forwards)
 
     def _verify(self, model: PreTrainedModel, step: Step, cache_length: int, model_kwargs: dict):

@@ -83,8 +83,6 @@ class BlockDrafting:
     row_by_row = False
 
     def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget, padding: list[int]):
-        # DSpark's heads draw a block left to right, each confidence after the token before it
-        self.confidences_follow_tokens = bool(drafter.config.markov_rank)
         self.proposer = BlockProposer(drafter, target)
         if drafter.config.context_window is not None:  # a windowed cache rolls back only while recording its past
             self.proposer.cache.activate_past_recording()
@@ -151,7 +149,6 @@ class RowByRowDrafting:
     has), so a row ahead keeps what it saw."""
 
     row_by_row = True
-    confidences_follow_tokens = True  # one token at a time, each confidence after the token before it
 
     def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget, padding: list[int], max_draft: int):
         self.proposers = [make_proposer(drafter, target, max_draft) for _ in padding]
@@ -239,19 +236,11 @@ class BatchDrafts:
         """Drafts of `row` that follow its anchor column."""
         return self.lengths[row] if self.anchors[row] == anchor else 0
 
-    def cut(
-        self,
-        policy: DraftPolicy,
-        ahead: list[int],
-        anchors: list[int],
-        limiting: list[bool],
-        most: int,
-        look_ahead: bool,
-    ) -> int:
+    def cut(self, policy: DraftPolicy, ahead: list[int], anchors: list[int], limiting: list[bool], most: int) -> int:
         """Drafted width positions the step verifies (the verify forward is one wider), at most `most`."""
         confidences = [
             self.confidences[row, : self.usable(row, anchors[row])].tolist() if limits else []
             for row, limits in enumerate(limiting)
         ]
         self.row_confidences = confidences
-        return policy.choose_width(ahead, confidences, most, look_ahead)
+        return min(policy.choose_width(ahead, confidences), most)

@@ -100,14 +100,10 @@ class DraftPolicy(ABC):
     def record(self, step: StepRecord) -> None:
         """After the step: learn from how it went."""
 
-    def choose_width(
-        self, ahead: Sequence[int], confidences: Sequence[Sequence[float]], most: int, look_ahead: bool = False
-    ) -> int:
-        """A batch (`batched_drafting.py`): how many drafted positions, at most `most`, its verify forward carries.
-        Row r feeds its `ahead[r]` committed tokens first, then its drafts (their confidences). `look_ahead`: the
-        choice may read every confidence (greedy, or confidences that do not follow the drawn tokens). Default: every
-        row's whole draft."""
-        return min(max((a - 1 + len(c) for a, c in zip(ahead, confidences, strict=True) if c), default=0), most)
+    def choose_width(self, ahead: Sequence[int], confidences: Sequence[Sequence[float]]) -> int:
+        """A batch (`batched_drafting.py`): how many drafted positions its verify forward carries. Row r feeds its
+        `ahead[r]` committed tokens first, then its drafts (their confidences). Default: every row's whole draft."""
+        return max((a - 1 + len(c) for a, c in zip(ahead, confidences, strict=True) if c), default=0)
 
     @abstractmethod
     def record_batch(self, step: BatchStepRecord) -> None:
@@ -290,16 +286,12 @@ class AdaptiveDraftPolicy(DraftPolicy):
     def _pays(self, steps: Sequence[tuple[int, float]]) -> bool:
         return sum(tokens for tokens, _ in steps) >= (1.0 - self.margin) * sum(cost for _, cost in steps)
 
-    def choose_width(
-        self, ahead: Sequence[int], confidences: Sequence[Sequence[float]], most: int, look_ahead: bool = False
-    ) -> int:
+    def choose_width(self, ahead: Sequence[int], confidences: Sequence[Sequence[float]]) -> int:
         """The width with the best expected rate of new tokens per row: a row adds its bonus token plus the drafts
         it is expected to accept when the forward reaches its newest token (a row further ahead adds none), and every
         drafted position costs the batch `verify_cost`. Each row's drafts are verified as far as the forward reaches,
-        decided from confidences known before its tokens were drawn, as for one row. Where the choice may look at
-        every confidence, a step whose best expected rate falls short of plain decoding's verifies none (and the
-        policy learns that drafting does not pay): many rows' drafts say so before verifying them costs anything."""
-        widest = super().choose_width(ahead, confidences, most)
+        decided from confidences known before its tokens were drawn, as for one row."""
+        widest = super().choose_width(ahead, confidences)
         reach = [expected_tokens([self.calibration.probability(c) for c in row]) for row in confidences]
 
         def rate(width: int) -> float:
@@ -312,8 +304,6 @@ class AdaptiveDraftPolicy(DraftPolicy):
         best = 0  # the rate rises to its best width and then falls: stop where it first stops rising
         while best < widest and rate(best + 1) > rate(best):
             best += 1
-        if look_ahead and best and rate(best) < 1.0 - self.margin:
-            return 0
         return max(best, min(1, widest)) if self.probing else best
 
     def record(self, step: StepRecord) -> None:
