@@ -62,16 +62,36 @@ def tensor_fingerprint(tensor: torch.Tensor | None) -> str:
     return _digest(repr(tuple(data.shape)).encode() + data.numpy().tobytes())
 
 
+_MOMENT_CHUNK = 1 << 14  # elements cast to float64 at a time: 256 KB in flight at most, whatever the model's size
+
+
+def _moments(parameter: torch.Tensor) -> torch.Tensor:
+    """[sum, sum of squares] of a parameter in float64, a chunk at a time (no float64 copy of the whole weight)."""
+    flat = parameter.detach().reshape(-1)
+    total = torch.zeros(2, dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), _MOMENT_CHUNK):
+        chunk = flat[start : start + _MOMENT_CHUNK].double()
+        total += torch.stack([chunk.sum(), chunk.square().sum()])
+    return total
+
+
 def weights_fingerprint(model: nn.Module | None) -> str:
-    """A digest of a model's parameter names, shapes and per-parameter sums and sums of squares (float64): cheap
-    enough for every call, and a weight that differs on one rank changes it."""
+    """A digest of a model's parameter names, shapes and per-parameter sums and sums of squares (float64), computed
+    a chunk at a time, and again only when a parameter changes (replaced, or written in place: its version moves), so
+    every call can afford it; a weight that differs on one rank changes it."""
     if model is None:
         return "none"
+    parameters = list(model.named_parameters())
+    state = [(name, id(p), p.data_ptr(), p._version) for name, p in parameters]
+    cached = getattr(model, "_weights_fingerprint", None)
+    if cached is not None and cached[0] == state:
+        return cached[1]
     with torch.no_grad():
-        sums = [torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()]
-        values = torch.stack(sums).cpu().tolist() if sums else []
-    names = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    return text_fingerprint(json.dumps([names, values]))
+        values = [_moments(p).cpu().tolist() for _, p in parameters]
+    names = [(name, tuple(p.shape)) for name, p in parameters]
+    digest = text_fingerprint(json.dumps([names, values]))
+    model._weights_fingerprint = (state, digest)
+    return digest
 
 
 def check_ranks_agree(model: nn.Module, fingerprints: Callable[[], dict[str, str]]) -> None:
