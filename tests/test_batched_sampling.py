@@ -43,7 +43,7 @@ CALLS_PER_SEED = 500
 
 def batched_samples(target, kind: str, settings: dict) -> tuple[list[torch.Tensor], list[int], list[int]]:
     """Per prompt, the counts of every continuation over all its rows and calls; and the accepted and proposed drafts
-    of every step (the batch's: its shortest accepted run)."""
+    of every step (the batch's: how far its shared cache advanced)."""
     drafter = drafter_for(target, kind)
     place_values = VOCAB ** torch.arange(NEW_TOKENS - 1, -1, -1)
     counts = [torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64) for _ in BATCH["input_ids"]]
