@@ -184,10 +184,11 @@ class DraftCosts:
         """The same costs for a batch, relative to a plain step of the batch. A plain batched step pays a fixed part
         (the weights read once) plus a part per row (its own cache to attend over and update), so it grows with the
         batch; `verify_cost`, one more token on a one-row forward, says how they split. A draft adds a position to
-        every row's forward, which attends over the same cache: measured on CPU (`benchmarks/verify_width_cost.py`),
-        a forward 8 positions wide costs about the same share of the plain step at batch 1 and at batch 16, so
-        `verify_cost` holds per drafted position of the batch. A batched drafter's forward grows with the batch by
-        `draft_row_cost` per further row; one that drafts row by row pays its forward once per row."""
+        every row's forward, which attends over the same cache, so it costs far less than a row: `verify_cost` is kept
+        per drafted position of the batch. Measured on CPU (`benchmarks/verify_width_cost.py`), that holds to batch 4
+        and underestimates beyond (a forward 8 positions wide: 1.3x a plain step at batch 1, 1.6x at 4, 2.6x at 16,
+        2.8x at 32). A batched drafter's forward grows with the batch by `draft_row_cost` per further row; one that
+        drafts row by row pays its forward once per row."""
         per_row = self.verify_cost / (1.0 - self.verify_cost)  # per-row part over the fixed part
         plain_one, plain_batch = 1.0 + per_row, 1.0 + batch_size * per_row
         if drafts_row_by_row:
