@@ -171,7 +171,7 @@ class BatchedSpeculativeLoop:
         logits = outputs.logits[:, -1].to(torch.float32, copy=True).to(input_ids.device)
         processed = logits_processor(input_ids, logits)
         tokens = self._agreed(_pick(processed, bool(config.do_sample)))
-        self.features = self.capture.features()
+        self.features = [self.capture.features()]  # pieces of the features from `features_start` on, joined to draft
         del outputs
         for row in range(rows.batch):
             rows.commit(row, tokens[row].tolist())
@@ -228,7 +228,7 @@ class BatchedSpeculativeLoop:
         forwards = 0
         if any(drafting):
             request = DraftRequest(
-                features=self.features,
+                features=self._joined_features(),
                 first_column=self.features_start,
                 anchors=anchors,
                 ids=rows.ids,
@@ -243,7 +243,7 @@ class BatchedSpeculativeLoop:
             self.drafts.store(drafted, anchors)
             forwards = drafted.drafter_forwards
             keep_from = self.drafting.first_needed_column(cache_length)
-            self.features = self.features[:, keep_from - self.features_start :]
+            self.features = [self.features[0][:, keep_from - self.features_start :]]
             self.features_start = keep_from
         limiting = [not rows.ended(r) for r in range(rows.batch)]
         width = 1 + self.drafts.cut(self.policy, ahead, anchors, limiting, min(most + MAX_LEAD, room))
@@ -334,9 +334,7 @@ class BatchedSpeculativeLoop:
             self.context_end[row] = min(cache_length + reach[row], rows.committed[row] - 1)
         if new_length < cache_length + width:
             model_kwargs[CACHE_ARGUMENT].crop(new_length - cache_length - width)
-        self.features = torch.cat(
-            [self.features[:, : cache_length - self.features_start], self.capture.features()[:, :width]], dim=1
-        )
+        self._keep_features(cache_length, self.capture.features()[:, :width])
         model_kwargs = model._update_model_kwargs_for_generation(
             outputs, model_kwargs, num_new_tokens=new_length - cache_length
         )
@@ -347,6 +345,23 @@ class BatchedSpeculativeLoop:
         if width > 1 or step.drafter_forwards:  # the policy learns from every step it drafted or verified drafts for
             self.policy.record_batch(self._step_record(step, accepted_list))
         return new_length, model_kwargs
+
+    def _joined_features(self) -> torch.Tensor:
+        """The features from `features_start` on, as one tensor (joined once, when the drafter next reads them)."""
+        if len(self.features) > 1:
+            self.features = [torch.cat(self.features, dim=1)]
+        return self.features[0]
+
+    def _keep_features(self, cache_length: int, new: torch.Tensor) -> None:
+        """After a verify forward at `cache_length`: what was kept up to that column, then the forward's features
+        (the columns past it come again from the forward that feeds them again)."""
+        kept, column = [], self.features_start
+        for piece in self.features:
+            if column >= cache_length:
+                break
+            kept.append(piece[:, : cache_length - column])
+            column += piece.shape[1]
+        self.features = [*kept, new]
 
     def _step_record(self, step: Step, accepted: list[int]) -> BatchStepRecord:
         """Per row still drafting: the confidences the width was chosen from, its drafts verified and accepted; and

@@ -26,13 +26,21 @@ DEFAULT_SCHEDULE = ADAPTIVE_SCHEDULE
 # one drafter forward with the step's bookkeeping (`draft_cost`) and each draft a verify forward carries besides the
 # token plain decoding feeds (`verify_cost`); a batched drafter's forward grows by `draft_row_cost` per row of a batch
 # (a profiled batched call on the shipped pair: 0.49 of a plain batched step at batch 1 and 4, 0.82 at 16);
-# a drafter's `generation_config.draft_cost`, `.verify_cost` and `.draft_row_cost` override.
+# a drafted position costs a batch of B rows `verify_cost` times `verify_growth` at B (interpolated over log B;
+# measured with `benchmarks/verify_width_cost.py --batch-sizes 1 4 16 32 --repeats 15`: a forward 8 wide is 1.63x a
+# plain step at batch 4, 2.61x at 16, 2.76x at 32); a drafter's `generation_config.draft_cost`, `.verify_cost` and
+# `.draft_row_cost` override.
 # "cpu": the shipped pair on this project's CPU (`benchmarks/draft_costs.py`); "cuda" (any other accelerator too):
 # the block drafter on one H200 (`benchmarks/gpu.py`), native MTP and DSpark not measured there (docs/results.md,
 # "Draft costs").
 DRAFT_COSTS_BY_DEVICE = {
     "cpu": {
-        BLOCK_DRAFTER_TYPE: {"draft_cost": 0.49, "verify_cost": 0.09, "draft_row_cost": 0.022},
+        BLOCK_DRAFTER_TYPE: {
+            "draft_cost": 0.49,
+            "verify_cost": 0.09,
+            "draft_row_cost": 0.022,
+            "verify_growth": ((4, 1.0), (16, 2.6), (32, 2.8)),
+        },
         MTP_DRAFTER_TYPE: {"draft_cost": 0.33, "verify_cost": 0.09},
         DSPARK_DRAFTER_TYPE: {"draft_cost": 1.28, "verify_cost": 0.09},
     },

@@ -164,6 +164,8 @@ class DraftCosts:
     draft_cost: float  # one drafter forward
     verify_cost: float  # each draft a verify forward carries besides the token plain decoding feeds
     draft_row_cost: float = 0.0  # what each further row of a batch adds to a batched drafter's forward
+    # (batch size, factor on verify_cost) points, measured: what a drafted position costs a batch of that size
+    verify_growth: tuple[tuple[int, float], ...] = ()
 
     def step(self, drafter_forwards: int, verified: int) -> float:
         return 1.0 + self.draft_cost * drafter_forwards + self.verify_cost * verified
@@ -174,7 +176,7 @@ class DraftCosts:
         kind, each overridden where the drafter's `generation_config` sets `draft_cost` or `verify_cost`."""
         by_kind = DRAFT_COSTS_BY_DEVICE.get(device_type, DRAFT_COSTS_BY_DEVICE["cuda"])
         costs = dict(by_kind[drafter.config.model_type])
-        for name in costs:
+        for name in ("draft_cost", "verify_cost", "draft_row_cost"):
             value = getattr(drafter.generation_config, name, None)
             if value is not None:
                 costs[name] = float(value)
@@ -184,18 +186,28 @@ class DraftCosts:
         """The same costs for a batch, relative to a plain step of the batch. A plain batched step pays a fixed part
         (the weights read once) plus a part per row (its own cache to attend over and update), so it grows with the
         batch; `verify_cost`, one more token on a one-row forward, says how they split. A draft adds a position to
-        every row's forward, which attends over the same cache, so it costs far less than a row: `verify_cost` is kept
-        per drafted position of the batch. Measured on CPU (`benchmarks/verify_width_cost.py`), that holds to batch 4
-        and underestimates beyond (a forward 8 positions wide: 1.3x a plain step at batch 1, 1.6x at 4, 2.6x at 16,
-        2.8x at 32). A batched drafter's forward grows with the batch by `draft_row_cost` per further row; one that
-        drafts row by row pays its forward once per row."""
+        every row's forward, which attends over the same cache, so it costs far less than a row, and grows with the
+        batch as measured (`verify_growth`, interpolated over log batch size; flat where none is measured). A batched
+        drafter's forward grows with the batch by `draft_row_cost` per further row; one that drafts row by row pays
+        its forward once per row."""
         per_row = self.verify_cost / (1.0 - self.verify_cost)  # per-row part over the fixed part
         plain_one, plain_batch = 1.0 + per_row, 1.0 + batch_size * per_row
         if drafts_row_by_row:
             draft = self.draft_cost * batch_size * plain_one / plain_batch
         else:
             draft = self.draft_cost + self.draft_row_cost * (batch_size - 1)
-        return DraftCosts(draft_cost=draft, verify_cost=self.verify_cost, draft_row_cost=self.draft_row_cost)
+        verify = self.verify_cost * _interpolated(((1, 1.0), *self.verify_growth), batch_size)
+        return DraftCosts(draft, verify, self.draft_row_cost, self.verify_growth)
+
+
+def _interpolated(points: Sequence[tuple[int, float]], batch_size: int) -> float:
+    """The factor at `batch_size`, linear in log batch size between measured points, held past the last one."""
+    x = math.log(batch_size)
+    for (b0, f0), (b1, f1) in zip(points, points[1:], strict=False):
+        if batch_size <= b1:
+            t = (x - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return f0 + max(t, 0.0) * (f1 - f0)
+    return points[-1][1]
 
 
 def expected_tokens(acceptance: Sequence[float]) -> list[float]:
