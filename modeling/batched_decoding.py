@@ -186,9 +186,9 @@ class BatchedSpeculativeLoop:
             cache_seen = self.cache_passed or bool(config.return_dict_in_generate)
             while not rows.complete(cache_length, cache_seen):
                 step = self._draft(cache_length)
-                outputs = self._verify(model, step, cache_length, model_kwargs)
+                outputs, candidates = self._verify(model, step, cache_length, model_kwargs)
                 logits = outputs.logits[:, -step.width :].to(torch.float32, copy=True).to(input_ids.device)
-                processed = self._process(logits, cache_length)
+                processed = self._process(logits, candidates, cache_length)
                 verified, accepted = self._judge(step, processed)
                 cache_length, model_kwargs = self._advance(
                     model, step, cache_length, verified, accepted, processed, logits, outputs, model_kwargs
@@ -250,7 +250,7 @@ class BatchedSpeculativeLoop:
         return Step(width, ahead, anchors, forwards)
 
     def _verify(self, model: PreTrainedModel, step: Step, cache_length: int, model_kwargs: dict):
-        """One target forward over each row's committed tokens past the cache, then its drafts."""
+        """One target forward over each row's committed tokens past the cache, then its drafts; and the ids it saw."""
         ids = self.rows.ids
         block = ids[:, cache_length : cache_length + step.width].clone()
         usable = [self.drafts.usable(r, step.anchors[r]) for r in range(self.rows.batch)]
@@ -274,15 +274,14 @@ class BatchedSpeculativeLoop:
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = k + 1
         self.stats.target_forwards += 1
-        self.candidates = candidates
-        return model(**inputs, return_dict=True)
+        return model(**inputs, return_dict=True), candidates
 
-    def _process(self, logits: torch.Tensor, cache_length: int) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, candidates: torch.LongTensor, cache_length: int) -> torch.Tensor:
         """The logits processors at every position, each seeing the batch's tokens before it."""
         processed = logits.clone()
         if len(self.logits_processor):
             for i in range(logits.shape[1]):
-                processed[:, i] = self.logits_processor(self.candidates[:, : cache_length + 1 + i], processed[:, i])
+                processed[:, i] = self.logits_processor(candidates[:, : cache_length + 1 + i], processed[:, i])
         return processed
 
     def _judge(self, step: Step, processed: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:

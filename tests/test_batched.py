@@ -42,8 +42,9 @@ PAD = 0
 BLOCK_KINDS = ("hyperdflash", "vanilla_dflash", "hyperdflash_heads")  # their drafts come from the oracle
 
 
-@pytest.fixture(scope="module")
-def targets():
+@pytest.fixture(scope="module", name="targets")
+def built_targets():
+    """The tiny target of each family, built once per module (test_batched_rows.py shares it)."""
     built = {}
 
     def get(family: str):

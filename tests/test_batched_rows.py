@@ -11,7 +11,7 @@
 
 import pytest
 import torch
-from test_batched import FAMILIES, PAD, drafter_for, left_padded_batch, speculative
+from test_batched import FAMILIES, PAD, built_targets, drafter_for, left_padded_batch, speculative  # noqa: F401
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList, StoppingCriteria
 
 import hf_hyperdflash  # noqa: F401  (installs the generate() integration)
@@ -26,18 +26,6 @@ pytestmark = pytest.mark.compat
 
 NEW_TOKENS = 16
 EVERY_OUTPUT = {"return_dict_in_generate": True, "output_scores": True, "output_logits": True}
-
-
-@pytest.fixture(scope="module")
-def targets():
-    built = {}
-
-    def get(family: str):
-        if family not in built:
-            built[family] = FAMILIES[family](0).eval()
-        return built[family]
-
-    return get
 
 
 def assert_same_steps(ours, theirs, tolerance: float = 1e-4) -> None:
