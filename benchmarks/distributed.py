@@ -3,12 +3,16 @@ target spread over processes by transformers' tensor-parallel plan (2 CPU proces
 
     python benchmarks/distributed.py                      # relaunches itself: torchrun --nproc_per_node 2
     python benchmarks/distributed.py --parallel tp+ep --prompts 8 --repeats 3
+    python benchmarks/distributed.py --temperature 1
 
-Per held-out ShareGPT prompt and shipped drafter (plus prompt lookup), plain and speculative greedy calls alternate
-`--repeats` times (both sides barrier-synchronised across ranks, timed by rank 0's clock); the speedup of a prompt is
-the median over its repeats of plain time over speculative time. Printed per drafter: tau (mean over prompts), the
-median speedup over prompts with its 95% percentile bootstrap interval over prompts, and how many greedy outputs
-were identical to plain decoding on every rank. A speedup whose interval holds 1.00 is a tie.
+Per held-out ShareGPT prompt and shipped drafter (plus prompt lookup), plain and speculative calls at `--temperature`
+alternate `--repeats` times (both sides barrier-synchronised across ranks, timed by rank 0's clock); the speedup of a
+prompt is the median over its repeats of plain time over speculative time. Printed per drafter: tau (mean over
+prompts), the median speedup over prompts with its 95% percentile bootstrap interval over prompts, how many greedy
+outputs were identical to plain decoding on every rank (sampling: how many got the same tokens on every rank), and
+what the ranks' agreement cost (`RankAgreement`): its collectives per decoding step and the share of the speculative
+call's time spent in them (rank 0's clock, waiting for the other rank included; medians over prompts). A speedup
+whose interval holds 1.00 is a tie.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from hf_hyperdflash.distributed import (
     PROMPT_LOOKUP,
     compare,
     gather,
+    init_processes,
     load_drafters,
     load_spread_target,
 )
@@ -49,32 +54,46 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampling at T")
     args = parser.parse_args()
     if "WORLD_SIZE" not in os.environ:
         relaunch_under_torchrun(args.processes)
     torch.set_num_threads(args.threads)
+    init_processes(600)
     target = load_spread_target(reference.target_path(), args.parallel)
     tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
     specs = [f"{kind}={reference.drafter_path(kind)}" for kind in reference.DRAFTER_KINDS]
     specs += [f"mtp={reference.mtp_path()}", f"dspark={reference.dspark_path()}", PROMPT_LOOKUP]
-    drafters = load_drafters(specs)
+    drafters = load_drafters(specs, target)
     prompts = [encode_prompt(tokenizer, m, False) for m in load_prompts("sharegpt", "held_out", args.prompts)]
     rows = {name: [] for name in drafters}
     for index, prompt in enumerate(prompts):
         for name, drafter in drafters.items():
             ids = torch.tensor([prompt])
-            rows[name].append(compare(target, ids, drafter, 0.0, args.max_new_tokens, args.repeats, seed=index))
-    every_rank = {name: gather([r["identical"] for r in results]) for name, results in rows.items()}
+            settings = (args.temperature, args.max_new_tokens, args.repeats)
+            rows[name].append(compare(target, ids, drafter, *settings, seed=index))
+    # greedy: identical to plain decoding on every rank; sampling: every rank got rank 0's tokens
+    check = "identical" if args.temperature == 0 else "ranks_agree"
+    every_rank = {name: gather([r[check] for r in results]) for name, results in rows.items()}
     identical = {name: sum(all(flags) for flags in zip(*ranks, strict=True)) for name, ranks in every_rank.items()}
     if dist.get_rank() == 0:
-        print(f"{args.parallel} over {dist.get_world_size()} processes, {len(prompts)} prompts, T=0, reference pair")
-        print("| method | tau | speedup over distributed plain decoding | identical on every rank |")
-        print("|---|---|---|---|")
+        runs = f"{dist.get_world_size()} processes, {len(prompts)} prompts, T={args.temperature:g}, reference pair"
+        print(f"{args.parallel} over {runs}")
+        print(
+            f"| method | tau | speedup over distributed plain decoding | {check.replace('_', ' ')} on every rank "
+            "| agreement collectives per step | time in agreement |"
+        )
+        print("|---|---|---|---|---|---|")
         for name, results in rows.items():
             taus = [r["tau"] for r in results if r["tau"] is not None]
             tau = f"{statistics.fmean(taus):.2f}" if taus else "-"
             median, low, high = median_with_interval([r["speedup"] for r in results])
-            print(f"| {name} | {tau} | {median:.2f}x ({low:.2f}-{high:.2f}) | {identical[name]}/{len(results)} |")
+            cost = "| - | - |"
+            if results[0]["agreement_collectives"] is not None:
+                collectives = statistics.median(r["agreement_collectives"] for r in results)
+                cost = f"| {collectives:.2f} | {100 * statistics.median(r['agreement_share'] for r in results):.1f}% |"
+            speedup = f"{median:.2f}x ({low:.2f}-{high:.2f})"
+            print(f"| {name} | {tau} | {speedup} | {identical[name]}/{len(results)} {cost}")
     dist.destroy_process_group()
 
 

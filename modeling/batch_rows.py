@@ -86,13 +86,24 @@ class BatchRows:
             self.checked += 1
             verdict = criteria(self.ids[:, : self.checked], scores_so_far(self.checked)).tolist()
             for row in [row for row in range(self.batch) if verdict[row] and not self.stopped(row)]:
-                stops[row] = self.stopped_at[row] = self.checked
-                if self.has_eos:
-                    self.ids[row, self.checked :] = self.pad_id
-                    self.committed[row] = ENDED
-                    kept = self.checked + 1 - self.prompt_width  # the column after the stop scores the stop token
-                    del self.scores[row][kept:], self.raw_logits[row][kept:]
+                stops[row] = self.checked
+                self._stop(row, self.checked)
         return stops
+
+    def adopt(self, stops: dict[int, int], checked: int) -> None:
+        """What another process's `check` found (a spread target's rank 0): the rows it stopped, and how far it
+        checked."""
+        for row, length in stops.items():
+            self._stop(row, length)
+        self.checked = checked
+
+    def _stop(self, row: int, length: int) -> None:
+        self.stopped_at[row] = length
+        if self.has_eos:
+            self.ids[row, length:] = self.pad_id
+            self.committed[row] = ENDED
+            kept = length + 1 - self.prompt_width  # the column after the stop scores the stop token
+            del self.scores[row][kept:], self.raw_logits[row][kept:]
 
     def record(self, row: int, processed: torch.Tensor, logits: torch.Tensor) -> None:
         """Scores (and raw logits) of the row's next new columns, in order."""

@@ -43,7 +43,7 @@ from .candidate_generator import TokenPicker
 from .draft_policy import BatchStepRecord, DraftPolicy, RowStep
 from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
-from .rank_agreement import broadcast_from_rank_zero, spread_group
+from .rank_agreement import RankAgreement, sequence_state, stops_alike
 from .request_checks import left_padding
 from .target_base import HyperConnectionTarget
 from .transformers_compat import CACHE_ARGUMENT, STOCK_LINEAR_ATTENTION_ROLLBACK, cached_length
@@ -55,7 +55,7 @@ _OUTPUT_CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclas
 
 
 def judge_greedy(
-    processed: torch.Tensor, tokens: torch.LongTensor, logits: torch.Tensor, lengths: torch.LongTensor
+    processed: torch.Tensor, tokens: torch.LongTensor, lengths: torch.LongTensor
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Each row's verified tokens [B, k + 1] (the target's choice after each draft; `processed` [B, k + 1, V] starts
     at the row's anchor) and accepted drafts [B] (of its first `lengths[r]`)."""
@@ -118,7 +118,9 @@ class BatchedSpeculativeLoop:
 
     `max_lead`: how many committed tokens past the batch's shortest run a row keeps (None: all it verified; 0: every
     row advances by the shortest run, the design this one replaced, kept to measure against). `cache_passed`: the
-    caller passed the cache in, so it sees it afterwards."""
+    caller passed the cache in, so it sees it afterwards. On a spread target (`agreement`) every step is rank 0's:
+    its drafts and width (one collective a step), its sampled tokens, and its stops when a criterion can differ per
+    rank."""
 
     def __init__(
         self,
@@ -129,10 +131,11 @@ class BatchedSpeculativeLoop:
         stats: GenerationStats,
         max_lead: int | None = None,
         cache_passed: bool = False,
+        agreement: RankAgreement | None = None,
     ):
         self.target, self.drafting, self.capture, self.policy, self.stats = target, drafting, capture, policy, stats
         self.schedule = BatchSchedule(policy)
-        self.group = spread_group(target.model)
+        self.agreement = agreement or RankAgreement(None)
         self.max_lead, self.cache_passed = max_lead, cache_passed
 
     def __call__(
@@ -170,13 +173,13 @@ class BatchedSpeculativeLoop:
         model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
         logits = outputs.logits[:, -1].to(torch.float32, copy=True).to(input_ids.device)
         processed = logits_processor(input_ids, logits)
-        tokens = self._agreed(_pick(processed, bool(config.do_sample)))
+        tokens = self._sampled(lambda: _pick(processed, bool(config.do_sample)), (rows.batch, 1))
         self.features = [self.capture.features()]  # pieces of the features from `features_start` on, joined to draft
         del outputs
         for row in range(rows.batch):
             rows.commit(row, tokens[row].tolist())
             rows.record(row, processed[row : row + 1], logits[row : row + 1])
-        rows.check(stopping_criteria, rows.scores_up_to)
+        self._check_stops()
         cache_length = input_ids.shape[1]
         self.context_end = [cache_length] * rows.batch  # per row: its target features are valid before this column
 
@@ -207,6 +210,27 @@ class BatchedSpeculativeLoop:
         )
 
     def _draft(self, cache_length: int) -> Step:
+        """The step's drafts and width: this process's (`_draft_here`), or on a spread target rank 0's."""
+        if not self.agreement.spread:
+            return self._draft_here(cache_length)
+        rows, drafts = self.rows, self.drafts
+        mine: list[Step] = []
+
+        def drafted() -> torch.Tensor:
+            mine.append(step := self._draft_here(cache_length))
+            usable = [drafts.usable(r, step.anchors[r]) for r in range(rows.batch)]
+            return torch.cat([torch.tensor([step.width, *usable]), drafts.tokens.cpu().reshape(-1)])
+
+        size = 1 + rows.batch + drafts.tokens.numel()
+        state = sequence_state(rows.ids, rows.committed)
+        decision = self.agreement.decide("Drafting", drafted, size, state=state)
+        step = mine[0]
+        step.width = int(decision[0])
+        usable = decision[1 : 1 + rows.batch].tolist()
+        drafts.adopt(decision[1 + rows.batch :].reshape(drafts.tokens.shape), usable, step.anchors)
+        return step
+
+    def _draft_here(self, cache_length: int) -> Step:
         """Redraft the rows whose anchor moved, and choose the verify width."""
         rows = self.rows
         ahead = rows.ahead(cache_length)
@@ -255,9 +279,10 @@ class BatchedSpeculativeLoop:
         block = ids[:, cache_length : cache_length + step.width].clone()
         usable = [self.drafts.usable(r, step.anchors[r]) for r in range(self.rows.batch)]
         if max(usable):
-            offsets = torch.arange(step.width, device=ids.device)[None] - torch.tensor(
-                [step.fed(r) for r in range(self.rows.batch)], device=ids.device
-            )[:, None]
+            offsets = (
+                torch.arange(step.width, device=ids.device)[None]
+                - torch.tensor([step.fed(r) for r in range(self.rows.batch)], device=ids.device)[:, None]
+            )
             in_draft = (offsets >= 0) & (offsets < torch.tensor(usable, device=ids.device)[:, None])
             drafted = self.drafts.tokens.gather(1, offsets.clamp(0, self.drafts.tokens.shape[1] - 1))
             block = torch.where(in_draft, drafted, block)
@@ -295,15 +320,22 @@ class BatchedSpeculativeLoop:
         k = max(lengths)
         columns = (fed[:, None] - 1 + torch.arange(k + 1, device=device)[None]).clamp(max=step.width - 1)
         from_anchor = processed.gather(1, columns[..., None].expand(-1, -1, processed.shape[-1]))
-        if k:
-            judge = judge_sampled if self.config.do_sample else judge_greedy
-            drafts = self.drafts
-            lengths_tensor = torch.tensor(lengths, device=device)
-            verified, accepted = judge(from_anchor, drafts.tokens[:, :k], drafts.logits[:, :k], lengths_tensor)
-        else:
-            verified = _pick(from_anchor[:, 0], bool(self.config.do_sample))
-            accepted = torch.zeros(batch, dtype=torch.long, device=device)
-        return self._agreed(verified), self._agreed(accepted)
+
+        def judged() -> torch.LongTensor:
+            if k:
+                lengths_tensor = torch.tensor(lengths, device=device)
+                if self.config.do_sample:
+                    logits = self.drafts.logits[:, :k]
+                    verified, accepted = judge_sampled(from_anchor, self.drafts.tokens[:, :k], logits, lengths_tensor)
+                else:
+                    verified, accepted = judge_greedy(from_anchor, self.drafts.tokens[:, :k], lengths_tensor)
+            else:
+                verified = _pick(from_anchor[:, 0], bool(self.config.do_sample))
+                accepted = torch.zeros(batch, dtype=torch.long, device=device)
+            return torch.cat([accepted[:, None], verified], dim=1)
+
+        both = self._sampled(judged, (batch, k + 2))
+        return both[:, 1:], both[:, 0]
 
     def _advance(self, model, step, cache_length, verified, accepted, processed, logits, outputs, model_kwargs):
         """Commit each fresh row's verified tokens, show the criteria the new lengths, roll the cache back to the
@@ -319,7 +351,7 @@ class BatchedSpeculativeLoop:
             else:
                 reach.append(width)
             self._record(row, cache_length + reach[row], processed, logits, cache_length)
-        for row, stop in rows.check(self.criteria, rows.scores_up_to).items():
+        for row, stop in self._check_stops().items():
             if rows.ended(row):  # padding from `stop` on: inputs past its stop token are not the row's
                 reach[row] = min(reach[row], stop - cache_length)
         shortest = min(reach)
@@ -395,11 +427,32 @@ class BatchedSpeculativeLoop:
                 rows.committed[row] = most
                 del rows.scores[row][most - rows.prompt_width :], rows.raw_logits[row][most - rows.prompt_width :]
 
-    def _agreed(self, tensor: torch.Tensor) -> torch.Tensor:
-        """On a spread target: rank 0's value, so every rank keeps the same tokens whatever it drew."""
-        if self.group is None:
-            return tensor
-        return broadcast_from_rank_zero(self.group, tensor.cpu()).to(tensor.device)
+    def _sampled(self, draw: Callable[[], torch.LongTensor], shape: tuple[int, int]) -> torch.LongTensor:
+        """`draw()`'s tokens (of `shape`); when sampling on a spread target, rank 0's (one collective), so every rank
+        keeps the same tokens whatever it would have drawn."""
+        if not (self.agreement.spread and self.config.do_sample):
+            return draw()
+        size = shape[0] * shape[1]
+        decision = self.agreement.decide("Sampling", lambda: draw().reshape(-1), size, everyone_computes=False)
+        return decision.reshape(shape).to(self.rows.ids.device)
+
+    def _check_stops(self) -> dict[int, int]:
+        """Show the criteria the lengths every row now holds (`BatchRows.check`); {row: stop length} of the rows
+        they stopped. On a spread target whose criteria can differ per rank, rank 0's criteria decide."""
+        rows = self.rows
+        if not self.agreement.spread or stops_alike(self.criteria):
+            return rows.check(self.criteria, rows.scores_up_to)
+
+        def checked() -> torch.Tensor:
+            stops = rows.check(self.criteria, rows.scores_up_to)
+            return torch.tensor([rows.checked, *(stops.get(row, -1) for row in range(rows.batch))])
+
+        what = "Checking the stopping criteria"
+        decision = self.agreement.decide(what, checked, 1 + rows.batch, everyone_computes=False)
+        stops = {row: int(length) for row, length in enumerate(decision[1:].tolist()) if length >= 0}
+        if not self.agreement.decides:
+            rows.adopt(stops, int(decision[0]))
+        return stops
 
 
 def batch_lead(drafter: PreTrainedModel) -> int | None:
@@ -411,14 +464,16 @@ def batch_lead(drafter: PreTrainedModel) -> int | None:
     return lead
 
 
-def batched_generate(original_generate, request, target: HyperConnectionTarget, cache: Cache, drafter, policy, stats):
+def batched_generate(
+    original_generate, request, target: HyperConnectionTarget, cache: Cache, drafter, policy, stats, agreement
+):
     """Run `request` (a `GenerateRequest` of several rows) through generate() with the batched loop as its decoding
     method, on `cache`; the cache is the family's stock one again afterwards."""
     repeats = request.generation_config.num_return_sequences or 1
     padding = left_padding(request.attention_mask).repeat_interleave(repeats)
     drafting = make_drafting(drafter, target, padding.tolist(), policy.max_draft)
     passed = request.cache is not None
-    loop = BatchedSpeculativeLoop(target, drafting, None, policy, stats, batch_lead(drafter), passed)
+    loop = BatchedSpeculativeLoop(target, drafting, None, policy, stats, batch_lead(drafter), passed, agreement)
     arguments = request.arguments | {"assistant_model": None}
     kwargs = request.kwargs | {CACHE_ARGUMENT: cache, "cache_implementation": None}
     try:

@@ -232,6 +232,16 @@ class BatchDrafts:
                 self.confidences[row, :n] = drafts.confidences[row, :n].float().cpu()
                 self.lengths[row], self.anchors[row] = n, anchors[row]
 
+    def adopt(self, tokens: torch.LongTensor, usable: list[int], anchors: list[int]) -> None:
+        """Another process's drafts for this step (a spread target's rank 0): every row's tokens, and how many of
+        them follow its anchor."""
+        self.tokens = tokens.to(self.tokens.device)
+        for row, length in enumerate(usable):
+            if length:
+                self.lengths[row], self.anchors[row] = length, anchors[row]
+            elif self.anchors[row] == anchors[row]:
+                self.lengths[row] = 0
+
     def usable(self, row: int, anchor: int) -> int:
         """Drafts of `row` that follow its anchor column."""
         return self.lengths[row] if self.anchors[row] == anchor else 0

@@ -3,7 +3,7 @@
 from transformers import DeepseekV4Config
 
 from .draft_options import DSPARK_DRAFTER_TYPE
-from .target_fingerprint import TARGET_ONLY_FIELDS, target_fingerprint
+from .target_architecture import TARGET_ONLY_FIELDS, target_fingerprint
 
 DSPARK_CONDITIONINGS = ("stream_mean", "pre_collapse")
 

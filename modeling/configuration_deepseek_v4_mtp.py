@@ -3,7 +3,7 @@
 from transformers import DeepseekV4Config
 
 from .draft_options import MTP_DRAFTER_TYPE
-from .target_fingerprint import TARGET_ONLY_FIELDS, target_fingerprint
+from .target_architecture import TARGET_ONLY_FIELDS, target_fingerprint
 
 
 class DeepseekV4MTPConfig(DeepseekV4Config):

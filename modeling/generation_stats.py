@@ -62,6 +62,10 @@ class GenerationStats:
     # A batch: per row, the tokens it committed per verify step while it generated (`BatchRows.row_taus`); the
     # batch's own tau above counts the positions its shared cache advanced per step
     row_taus: list[float] = field(default_factory=list)
+    # A target spread over processes: the collectives its ranks' agreement made (`RankAgreement`), and the wall time
+    # spent in them (waiting for slower ranks included)
+    rank_collectives: int = 0
+    rank_agreement_seconds: float = 0.0
 
     @property
     def decoding_steps(self) -> int:

@@ -25,10 +25,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import transformers
 import transformers.generation.utils as generation_utils
 from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedModel
 
 from . import call_scope
+from .agreed_steps import agree_on_drafts, rank_zero_verdict
 from .batched_decoding import MAX_LEAD, batched_generate
 from .batched_drafting import drafts_row_by_row
 from .candidate_generator import (
@@ -41,14 +43,7 @@ from .draft_policy import CallSchedule
 from .generation_stats import GenerationStats, synchronized_clock
 from .indexer_ties import install_deterministic_indexer
 from .output_split import outputs_split_per_token
-from .rank_agreement import (
-    check_ranks_agree,
-    rank_zero_verdict,
-    spread_group,
-    tensor_fingerprint,
-    text_fingerprint,
-    weights_fingerprint,
-)
+from .rank_agreement import RankAgreement, tensor_fingerprint, text_fingerprint, weights_fingerprint
 from .request_checks import (
     check_batch,
     check_cached_prefix,
@@ -105,14 +100,22 @@ class GenerateRequest:
         inputs = self.arguments.get("inputs")
         return inputs if inputs is not None else self.kwargs.get("input_ids")
 
-    def fingerprints(self, drafter: torch.nn.Module | None) -> dict[str, str]:
-        """What every rank of a spread target must pass alike (`rank_agreement.check_ranks_agree`)."""
-        return {
+    def fingerprints(self, drafter: torch.nn.Module | str | None) -> dict[str, str]:
+        """What every rank of a spread target must pass alike (`RankAgreement.open_call`): every tensor input, the
+        settings, a passed cache's length, the drafter's weights and settings, and the library versions."""
+        prints = {
             "prompts": tensor_fingerprint(self.input_ids),
-            "attention masks": tensor_fingerprint(self.kwargs.get("attention_mask")),
             "generation settings": text_fingerprint(self.generation_config.to_json_string()),
-            "drafter weights": weights_fingerprint(drafter),
+            "passed cache lengths": str(None if self.cache is None else cached_length(self.cache)),
+            "drafter weights": weights_fingerprint(drafter if isinstance(drafter, torch.nn.Module) else None),
+            "library versions": f"transformers {transformers.__version__}, torch {torch.__version__}",
         }
+        if getattr(drafter, "generation_config", None) is not None:
+            prints["drafter settings"] = text_fingerprint(drafter.generation_config.to_json_string())
+        for name, value in sorted(self.kwargs.items()):
+            if isinstance(value, torch.Tensor):
+                prints[f"`{name}`"] = tensor_fingerprint(value)
+        return prints
 
     @property
     def new_token_budget(self) -> int:
@@ -180,12 +183,16 @@ def _exact_assisted_call(
     target: HyperConnectionTarget,
     request: GenerateRequest,
     cache: Cache,
+    max_draft: int,
     build_candidate_generator: Callable,
+    agreement: RankAgreement,
 ):
     """transformers' assisted loop, made to return plain decoding's result on an mHC target: a rewindable cache,
     stopping criteria per accepted token (the streamer held back one step), per-token hidden states and attentions,
-    verify rows that see what one-token decoding sees. `build_candidate_generator(original, **options)` stands in
-    for the target's `_get_candidate_generator` in this call."""
+    verify rows that see what one-token decoding sees; on a spread target, every step as rank 0 decides it
+    (`agreed_steps.py`). `max_draft`: the most drafts a step verifies. `build_candidate_generator(original,
+    **options)` stands in for the target's `_get_candidate_generator` in this call."""
+    sampling = bool(request.generation_config.do_sample)
     prompt_length = request.input_ids.shape[1]
     arguments = dict(request.arguments)
     if arguments.get("streamer") is not None:
@@ -195,11 +202,13 @@ def _exact_assisted_call(
     def stopping_criteria(build: Callable, **options) -> PerTokenStopping:
         if stopping:  # a generate() nested in this call on the same model (a target that is its own assistant)
             return build(**options)
-        stopping.append(PerTokenStopping(build(**options), prompt_length, arguments.get("streamer")))
+        stopping.append(PerTokenStopping(build(**options), prompt_length, arguments.get("streamer"), agreement))
         return stopping[-1]
 
     def candidate_generator(original: Callable, **options):
         generator = build_candidate_generator(original, **options)
+        if agreement.spread:
+            agree_on_drafts(generator, agreement, max_draft, sampling)
         _keep_states_for_each_draft(generator, target, cache)
         return generator
 
@@ -209,8 +218,6 @@ def _exact_assisted_call(
     if no_attentions:  # transformers' assisted loop would index the empty attentions a non-eager model returns
         kwargs["output_attentions"] = False
     stateful = getattr(type(target.model), "_is_stateful", False)
-    group = spread_group(target.model)
-    sampling_across_ranks = group is not None and request.generation_config.do_sample
     try:
         with (
             call_scope.lifted_stateful_guard(target.model) if stateful else nullcontext(),
@@ -221,8 +228,8 @@ def _exact_assisted_call(
             ),
             target.verify_as_decoding(prompt_length, request.positions_may_lag_cache, cache),
             outputs_split_per_token(target.one_token_key_columns, target.prompt_key_columns, cached_length(cache)),
-            call_scope.functions(generation_utils, _speculative_sampling=rank_zero_verdict(group))
-            if sampling_across_ranks
+            call_scope.functions(generation_utils, _speculative_sampling=rank_zero_verdict(agreement, max_draft))
+            if agreement.spread and sampling
             else nullcontext(),
         ):
             output = original_generate(target.model, **arguments, **kwargs)
@@ -234,9 +241,19 @@ def _exact_assisted_call(
     return output
 
 
-def speculative_generate(original_generate: Callable, request: GenerateRequest, drafter: PreTrainedModel):
-    check_ranks_agree(request.model, lambda: request.fingerprints(drafter))  # first: a rank must not raise alone
-    start = synchronized_clock()
+@dataclass
+class CallPlan:
+    """What a speculative call's checks settle: the target's adapter, the draft schedule, whether rows are batched;
+    and the agreement of its ranks, on a spread target."""
+
+    target: HyperConnectionTarget
+    schedule: CallSchedule
+    batched: bool
+    agreement: RankAgreement
+
+
+def _plan_call(request: GenerateRequest, drafter: PreTrainedModel, agreement: RankAgreement) -> CallPlan:
+    """Check the call (bad input raises a `ValueError` naming it) and settle its plan."""
     check_internals()
     target = get_target_adapter(request.model)
     target.check_servable()
@@ -254,14 +271,25 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
         check_cached_prefix(request.cache, request.input_ids.shape[1])
     rows = request.input_ids.shape[0] * (request.generation_config.num_return_sequences or 1)
     schedule = CallSchedule(schedule_name, drafter, request.model, draft_length, (rows, drafts_row_by_row(drafter)))
+    return CallPlan(target, schedule, batched, agreement)
+
+
+def speculative_generate(original_generate: Callable, request: GenerateRequest, drafter: PreTrainedModel):
+    agreement = RankAgreement.of(request.model)
+    # Before any collective of the target's: on a spread target a rank must not raise alone
+    plan = agreement.open_call(lambda: _plan_call(request, drafter, agreement), lambda: request.fingerprints(drafter))
+    start = synchronized_clock()
+    target, schedule = plan.target, plan.schedule
+    if agreement.spread:  # drafting runs no collective, so a drafter failing on one rank fails every rank together
+        target.draft_locally()
     max_draft = schedule.policy.max_draft  # "heuristic" may grow past `draft_length`
-    if batched:
-        stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)
+    stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule.name)
+    if plan.batched:
         cache = _call_cache(target, request.cache, max_draft + MAX_LEAD)  # a batch's forward may reach past a block
-        output = batched_generate(original_generate, request, target, cache, drafter, schedule.policy, stats)
-        return _finish(output, request, drafter, schedule, stats, start)
+        loop = (target, cache, drafter, schedule.policy, stats, agreement)
+        output = batched_generate(original_generate, request, *loop)
+        return _finish(output, request, drafter, plan, stats, start)
     proposer = make_proposer(drafter, target, max_draft)
-    stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule_name)
     cache = _call_cache(target, request.cache, max_draft)
     with target.capture(proposer.feature_layers) as capture:
         generator = SpeculativeCandidateGenerator(
@@ -279,13 +307,17 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
             generator.pick = TokenPicker(logits_processor, bool(generation_config.do_sample))
             return generator
 
-        output = _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
-    return _finish(output, request, drafter, schedule, stats, start)
+        output = _exact_assisted_call(
+            original_generate, target, request, cache, max_draft, candidate_generator, agreement
+        )
+    return _finish(output, request, drafter, plan, stats, start)
 
 
-def _finish(output, request: GenerateRequest, drafter, schedule: CallSchedule, stats: GenerationStats, start: float):
+def _finish(output, request: GenerateRequest, drafter, plan: CallPlan, stats: GenerationStats, start: float):
     """The call's result, its stats left on the drafter."""
-    schedule.finish()
+    plan.schedule.finish()
+    agreement = plan.agreement
+    stats.rank_collectives, stats.rank_agreement_seconds = agreement.collectives, agreement.seconds
     stats.new_tokens = _sequences(output).shape[1] - request.input_ids.shape[1]
     stats.seconds = synchronized_clock() - start
     drafter.last_generation_stats = stats  # with concurrent calls on one drafter: the call that finished last
@@ -354,23 +386,10 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
     """Prompt lookup or a stock assistant (transformers' own candidate generators) on an mHC target: the target, and
     a stateful assistant, get caches that roll back exactly."""
     assistant = request.arguments.get("assistant_model")
-    check_ranks_agree(request.model, lambda: request.fingerprints(assistant))  # first: a rank must not raise alone
-    check_internals()
-    target = get_target_adapter(request.model)
-    target.check_servable()
-    if request.cache is not None and cached_length(request.cache) > 0:
-        raise ValueError(
-            "Prompt lookup and stock assistants cannot continue from a passed cache on this target; pass the whole "
-            f"conversation without `{CACHE_ARGUMENT}`, or use a HyperDFlash drafter, which can."
-        )
-    input_ids = request.input_ids
-    if input_ids is None or input_ids.shape[0] != 1:
-        raise ValueError("Prompt lookup and assistants decode one prompt at a time: pass `input_ids` of batch size 1.")
-    config = request.generation_config
-    if assistant is None:
-        max_draft = config.prompt_lookup_num_tokens
-    else:  # a stock assistant's draft length adapts without a cap: a draft never exceeds what is left to generate
-        max_draft = request.new_token_budget + 1
+    agreement = RankAgreement.of(request.model)
+    target, max_draft = agreement.open_call(
+        lambda: _plan_stock_call(request, assistant), lambda: request.fingerprints(assistant)
+    )
 
     def candidate_generator(original: Callable, **options):
         generator = original(**options)
@@ -383,7 +402,26 @@ def stock_drafting_generate(original_generate: Callable, request: GenerateReques
         return generator
 
     cache = _call_cache(target, request.cache, max_draft)
-    return _exact_assisted_call(original_generate, target, request, cache, candidate_generator)
+    return _exact_assisted_call(original_generate, target, request, cache, max_draft, candidate_generator, agreement)
+
+
+def _plan_stock_call(request: GenerateRequest, assistant) -> tuple[HyperConnectionTarget, int]:
+    """Check a prompt-lookup or stock-assistant call; its target's adapter and the most drafts a step verifies."""
+    check_internals()
+    target = get_target_adapter(request.model)
+    target.check_servable()
+    if request.cache is not None and cached_length(request.cache) > 0:
+        raise ValueError(
+            "Prompt lookup and stock assistants cannot continue from a passed cache on this target; pass the whole "
+            f"conversation without `{CACHE_ARGUMENT}`, or use a HyperDFlash drafter, which can."
+        )
+    input_ids = request.input_ids
+    if input_ids is None or input_ids.shape[0] != 1:
+        raise ValueError("Prompt lookup and assistants decode one prompt at a time: pass `input_ids` of batch size 1.")
+    if assistant is None:
+        return target, request.generation_config.prompt_lookup_num_tokens
+    # a stock assistant's draft length adapts without a cap: a draft never exceeds what is left to generate
+    return target, request.new_token_budget + 1
 
 
 def _wrap_generate(original_generate: Callable) -> Callable:

@@ -28,7 +28,7 @@ from .model_card import ModelCardMixin
 from .modeling_outputs import DrafterOutput
 from .remote_code import RemoteCodeMixin
 from .strict_loading import StrictLoadingMixin
-from .target_fingerprint import target_fingerprint
+from .target_architecture import target_fingerprint
 from .targets import get_target_adapter
 
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")

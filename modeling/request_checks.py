@@ -11,8 +11,8 @@ from transformers import Cache, GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
 from .draft_options import BLOCK_DRAFTER_TYPE, DEFAULT_MTP_DEPTH, DSPARK_DRAFTER_TYPE, MTP_DRAFTER_TYPE, SCHEDULES
+from .target_architecture import target_fingerprint
 from .target_base import HyperConnectionTarget
-from .target_fingerprint import target_fingerprint
 from .transformers_compat import cached_length
 
 

@@ -39,6 +39,23 @@ def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def whole_copy(module: nn.Module) -> nn.Module:
+    """`module` with its own class's forward and every parameter whole on this process (gathered once from a
+    transformers-spread `DTensor`): it computes locally what the spread module computes with collectives."""
+    copy = nn.Module.__new__(type(module))
+    copy.__dict__ = dict(module.__dict__)
+    copy.__dict__.pop("forward", None)  # transformers' parallel wrapper of this instance
+    copy._parameters = {
+        name: None
+        if value is None
+        else nn.Parameter(value.detach().full_tensor(), requires_grad=False)
+        if isinstance(value, DTensor)
+        else value
+        for name, value in module._parameters.items()
+    }
+    return copy
+
+
 def activation_dtype(linear: nn.Module, fallback: torch.dtype) -> torch.dtype:
     """The dtype `linear` takes its input in: its weight's, unless that is quantized to one byte (FP8 and int8
     kernels take the model's activations), then `fallback`."""
@@ -118,12 +135,30 @@ class HyperConnectionTarget:
 
     def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
         """The target's embedding of `token_ids`, computed where the embedding runs."""
-        return self.embed_tokens(token_ids.to(execution_device(self.embed_tokens)))
+        embed_tokens = self._for_drafting(self.embed_tokens)
+        return embed_tokens(token_ids.to(execution_device(embed_tokens)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's `lm_head` on final-normed hidden states, computed where the head runs."""
-        dtype = activation_dtype(self.lm_head, self.embed_tokens.weight.dtype)
-        return self.lm_head(hidden.to(execution_device(self.lm_head), dtype))
+        lm_head = self._for_drafting(self.lm_head)
+        dtype = activation_dtype(lm_head, self.embed_tokens.weight.dtype)
+        return lm_head(hidden.to(execution_device(lm_head), dtype))
+
+    def draft_locally(self) -> None:
+        """On a target spread by transformers' tensor-parallel plan: keep whole copies of the embedding and the head
+        (once per model, a collective every rank must join), so that drafting runs no collective of the target's and
+        a drafter failing on one rank leaves no other waiting in one (`rank_agreement.py`). The memory this costs is
+        one embedding and one head per rank."""
+        modules = (self.embed_tokens, self.lm_head)
+        if not any(isinstance(module.weight, DTensor) for module in modules):
+            return
+        copies = getattr(self.model, "_hyperdflash_whole_copies", None)
+        if copies is None or any(copies.get(id(module)) is None for module in modules):
+            self.model._hyperdflash_whole_copies = {id(module): whole_copy(module) for module in modules}
+
+    def _for_drafting(self, module: nn.Module) -> nn.Module:
+        copies = getattr(self.model, "_hyperdflash_whole_copies", None)
+        return module if copies is None else copies.get(id(module), module)
 
     @property
     def feature_device(self) -> torch.device:

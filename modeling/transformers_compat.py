@@ -64,7 +64,7 @@ below is pinned by a test in `tests/test_transformers_internals.py`, run on ever
   `Pipeline.__init__`: wrapped by the library (`hf_hyperdflash/pipeline_assistants.py`) so a pipeline takes a
   drafter by path (test_pipelines_load_a_named_assistant_through_load_assistant_model)
 - a model spread by transformers' parallel plans has its `_device_mesh` set (`rank_agreement.spread_group`), and
-  `_speculative_sampling` returns `(valid_tokens, n_matches)` (`rank_agreement.rank_zero_verdict`)
+  `_speculative_sampling` returns `(valid_tokens, n_matches)` (`agreed_steps.rank_zero_verdict`)
   (test_a_spread_model_carries_its_device_mesh_and_sampled_verdicts_come_back_as_tokens_and_a_count)
 - the cache argument's name, `CACHE_ARGUMENT` below (test_cache_argument_is_the_installed_versions)
 """

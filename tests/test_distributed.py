@@ -110,3 +110,20 @@ def test_a_spread_target_decodes_as_its_plain_decoding_on_every_rank(models, tmp
 
 def test_two_nodes_over_loopback(models, tmp_path):
     assert_lossless_and_in_step(run_spread(models, "deepseek_v4", "tp", tmp_path, nodes=2))
+
+
+def test_the_documented_cpu_command_runs_as_written():
+    """`torchrun --nproc_per_node 2 -m hf_hyperdflash.distributed` (docs/distributed.md): the shipped pair over 2
+    processes, every shipped drafter and prompt lookup, greedy and at T=1."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    run = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", "-m", "hf_hyperdflash.distributed"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = [line for line in run.stdout.splitlines() if " T=" in line]
+    assert len(lines) == 10, run.stdout  # 5 ways of drafting, 2 temperatures
+    assert all("ranks agree True" in line for line in lines), run.stdout
+    assert all("identical to plain True" in line for line in lines if " T=0:" in line), run.stdout

@@ -66,7 +66,7 @@ def test_layers_run_one_way():
     models = {name for name in RUNTIME_MODULES if name.startswith("modeling_")}
     generation = {"integration", "candidate_generator", "draft_policy", "request_checks", "drafting", "call_scope"}
     for config in configs:
-        assert _closure(config) <= {"draft_options", "target_fingerprint"}, config
+        assert _closure(config) <= {"draft_options", "target_architecture"}, config
     for model in models:
         assert not _closure(model) & (generation - {"call_scope"}), model
     for name in RUNTIME_MODULES - {"drafting"}:
@@ -95,7 +95,7 @@ print("wrapped" if hasattr(GenerationMixin.generate, "_hyperdflash_integration")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
     *loaded, generate = result.stdout.split()
     runtime = {name.removeprefix("hf_hyperdflash.modeling.") for name in loaded if name.startswith("hf_hyperdflash.")}
-    light = {"configuration_deepseek_v4_mtp", "configuration_hyperdflash", "draft_options", "target_fingerprint"}
+    light = {"configuration_deepseek_v4_mtp", "configuration_hyperdflash", "draft_options", "target_architecture"}
     assert runtime == light | {"hf_hyperdflash.modeling"}
     families = {name.split(".")[2] for name in loaded if name.startswith("transformers.models.")}
     assert families <= {"auto", "deepseek_v4"}, families

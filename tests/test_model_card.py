@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from hf_hyperdflash import DeepseekV4MTPForDrafting, HyperDFlashForDrafting
-from hf_hyperdflash.modeling.target_fingerprint import target_fingerprint
+from hf_hyperdflash.modeling.target_architecture import target_fingerprint
 from hf_hyperdflash.testing import tiny_deepseek_v4
 
 

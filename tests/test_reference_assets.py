@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
 
 from hf_hyperdflash import DeepseekV4DSparkForDrafting, HyperDFlashForDrafting, reference
-from hf_hyperdflash.modeling.target_fingerprint import target_fingerprint
+from hf_hyperdflash.modeling.target_architecture import target_fingerprint
 from hf_hyperdflash.reference.build import export_drafters, train_language_model
 from hf_hyperdflash.testing import tiny_deepseek_v4
 from hf_hyperdflash.training.loop import LoopConfig

@@ -254,7 +254,10 @@ def test_a_spread_model_carries_its_device_mesh_and_sampled_verdicts_come_back_a
 
     assert DistributedMixin._device_mesh is None
     assert "model._device_mesh = " in inspect.getsource(DistributedMixin.maybe_distribute_model)
-    assert "valid_tokens, n_matches = _speculative_sampling(" in inspect.getsource(GenerationMixin._assisted_decoding)
+    source = inspect.getsource(GenerationMixin._assisted_decoding)
+    assert "valid_tokens, n_matches = _speculative_sampling(" in source
+    # `agreed_steps.agree_on_drafts` hands every sampled step to `_speculative_sampling` by giving it drafter logits
+    assert "if do_sample and candidate_logits is not None:" in source
 
 
 def test_prepare_generation_config_returns_the_merged_config_and_model_kwargs():
