@@ -6,6 +6,8 @@ the loss curve against single-process training, and an exact resume.
 - 4 processes as a 2 x 2 mesh (`--target-parallel-size 2`): two copies, each its own half of the batch, the drafter's
   gradients averaged over them; the curve is that of 2 plain data-parallel processes, within the same tolerance.
 - The 2-process run stopped after a checkpoint and run again resumes to the uninterrupted curve, exactly.
+- Sampled replies and the tau evaluation on a spread target: both processes sample the same replies (the first
+  writes them) and take part in every evaluation's generate() calls.
 """
 
 import json
@@ -111,3 +113,14 @@ def test_a_stopped_spread_run_resumes_exactly(work):
     assert stopped_at < STEPS, "the run finished before it could be stopped"
     assert losses(out) == whole[: len(losses(out))]
     assert train(work, out, 2, *flags) == whole
+
+
+def test_sampled_replies_and_evaluation_on_a_spread_target(work):
+    out = work / "sampled"
+    flags = ("--batch-size", "4", "--target-parallel", "tp", "--temperature", "1", "--eval-prompts", "2")
+    flags += ("--eval-every", "6", "--max-new-tokens", "8")
+    train(work, out, 2, *flags)
+    assert shard_sizes(out) == {"shard-000.jsonl": len(PROMPTS)}
+    records = [json.loads(line) for line in (out / "run" / "log.jsonl").read_text().splitlines()]
+    taus = [record["tau"] for record in records if "tau" in record]
+    assert len(taus) == STEPS // 6 and all(tau >= 1 for tau in taus)

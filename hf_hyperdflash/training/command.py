@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, InitProcessGroupKwargs
 from transformers import AutoTokenizer
 
 from .. import reference
@@ -132,6 +133,7 @@ def run_train(args: argparse.Namespace) -> Path:
         check_drafter_path(settings["init_from"])
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=settings["collective_timeout"]))],
         mixed_precision=loop.mixed_precision,
         log_with=trackers(settings["report_to"]) or None,  # accelerate warns of "no trackers installed" at []
         project_dir=run_dir,  # TensorBoard writes to run_dir/PROJECT

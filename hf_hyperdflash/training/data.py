@@ -14,18 +14,17 @@ import fcntl
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from itertools import groupby
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..decoding import decoding_settings
-from ..modeling.rank_agreement import broadcast_from_rank_zero, spread_group
+from ..modeling.rank_agreement import RankAgreement
 from ..prompts import Messages, encode_prompt
 
 SETTINGS_FILE = "settings.json"
@@ -144,18 +143,21 @@ def generate_replies(
     shard = data_dir / f"shard-{rank:03d}.jsonl"
     answer = partial(_answer, target, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature)
     answer = partial(answer, batch_size=batch_size, mixed_lengths=mixed_lengths, seed=seed, rank=rank)
-    group = spread_group(target)  # a target spread over processes: its group answers one shard together
-    if group is not None and dist.get_rank(group) != 0:
-        answer(broadcast_from_rank_zero(group, None), None)  # the group's first process decides and writes
-        return
-    # One writer per shard: a second job on the same data dir waits, then resumes from what the first wrote.
-    with _exclusive(data_dir / f".shard-{rank:03d}.lock"):
+    # A target spread over processes: its group answers one shard together; the group's first process reads what
+    # is done and writes, and an error there (other settings in the directory) reaches every process of the group.
+    agreement = RankAgreement.of(target)
+
+    def pending_prompts() -> list[tuple[int, list[int]]]:
         _check_settings(data_dir, settings, write=rank == 0)
         if shard.exists():  # rewrite without an interrupted last line, so appends start on a fresh line
             shard.write_text("".join(json.dumps(record) + "\n" for record in _read_shard(shard)))
         done = {record["index"] for record in _read_records(data_dir)}
-        pending = [(i, ids) for i, ids in enumerate(encoded) if i % world_size == rank and i not in done]
-        answer(pending if group is None else broadcast_from_rank_zero(group, pending), shard)
+        return [(i, ids) for i, ids in enumerate(encoded) if i % world_size == rank and i not in done]
+
+    # One writer per shard: a second job on the same data dir waits, then resumes from what the first wrote.
+    with _exclusive(data_dir / f".shard-{rank:03d}.lock") if agreement.decides else nullcontext():
+        pending = agreement.first_decides("Reading the replies written so far", pending_prompts)
+        answer(pending, shard if agreement.decides else None)
 
 
 @contextmanager

@@ -70,6 +70,7 @@ DEFAULTS = {
     "target_offload_folder": None,
     "target_parallel": "none",
     "target_parallel_size": None,
+    "collective_timeout": 1800,
     # drafter (None: the drafter config's own default, or unset for --init-from)
     "drafter_kind": None,
     "reducer": None,
@@ -210,6 +211,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--target-parallel-size",
         "Processes per copy of the target with --target-parallel. Default: all of them (one copy).",
         type=int,
+    )
+    _option(
+        models,
+        "--collective-timeout",
+        "Under torchrun: seconds a process waits in a collective at most (a process that died inside the target's "
+        "own collectives), then every process stops. Default: 1800.",
+        type=float,
     )
 
     drafter = parser.add_argument_group("drafter")
