@@ -74,13 +74,14 @@ def main() -> None:
             rows[name].append(compare(target, ids, drafter, *settings, seed=index))
     # greedy: identical to plain decoding on every rank; sampling: every rank got rank 0's tokens
     check = "identical" if args.temperature == 0 else "ranks_agree"
+    agreeing = "identical on every rank" if args.temperature == 0 else "same tokens on every rank"
     every_rank = {name: gather([r[check] for r in results]) for name, results in rows.items()}
     identical = {name: sum(all(flags) for flags in zip(*ranks, strict=True)) for name, ranks in every_rank.items()}
     if dist.get_rank() == 0:
         runs = f"{dist.get_world_size()} processes, {len(prompts)} prompts, T={args.temperature:g}, reference pair"
         print(f"{args.parallel} over {runs}")
         print(
-            f"| method | tau | speedup over distributed plain decoding | {check.replace('_', ' ')} on every rank "
+            f"| method | tau | speedup over distributed plain decoding | {agreeing} "
             "| agreement collectives per step | time in agreement |"
         )
         print("|---|---|---|---|---|---|")
