@@ -5,8 +5,10 @@ would bring it. Real launches over 2 processes: `tests/test_distributed.py` and 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
-from hf_hyperdflash import HyperDFlashForDrafting
+from hf_hyperdflash import HyperDFlashForDrafting, reference
 from hf_hyperdflash.modeling import rank_agreement
 from hf_hyperdflash.modeling.rank_agreement import RankAgreement
 
@@ -108,3 +110,50 @@ def test_only_criteria_that_read_the_tokens_alone_stop_every_rank_alike(target):
 
     assert rank_agreement.stops_alike([MaxLengthCriteria(10), EosTokenCriteria(0)])
     assert not rank_agreement.stops_alike([MaxLengthCriteria(10), MaxTimeCriteria(1.0)])
+
+
+class StopAtLength(StoppingCriteria):
+    """A custom criterion (so a spread target's stops go through the agreement) that stops at `length` tokens."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, device=input_ids.device)
+
+
+@pytest.fixture(scope="module")
+def shipped_pair():
+    target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32).eval()
+    drafter = AutoModel.from_pretrained(reference.drafter_path("hyperdflash"), trust_remote_code=True).eval()
+    return target, drafter
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_agreed_path_on_a_group_of_one_decodes_as_one_process(
+    shipped_pair, one_rank_group, monkeypatch, rows, sampling
+):
+    """The spread path (drafts, verdicts and stops through the agreement; a custom criterion stopping inside a step
+    makes the stops agreed) on a one-rank group gives one process's tokens: rank 0 keeps what it would have decided
+    alone, draw for draw."""
+    target, drafter = shipped_pair
+    tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path())
+    tokenizer.padding_side = "left"
+    chats = [[{"role": "user", "content": text}] for text in ("How do tides work?", "Write a haiku about bees.")]
+    texts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats[:rows]]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    stop = StoppingCriteriaList([StopAtLength(inputs["input_ids"].shape[1] + 21)])
+    options = {"max_new_tokens": 32, "do_sample": sampling, "stopping_criteria": stop, "assistant_model": drafter}
+
+    def decode() -> torch.Tensor:
+        torch.manual_seed(5)
+        return target.generate(**inputs, **options, pad_token_id=tokenizer.pad_token_id)
+
+    alone = decode()
+    assert alone.shape[1] == inputs["input_ids"].shape[1] + 21
+    monkeypatch.setattr(target, "_device_mesh", init_device_mesh("cpu", (1,)), raising=False)
+    assert RankAgreement.of(target).spread
+    assert torch.equal(decode(), alone)
+    stats = drafter.last_generation_stats
+    assert stats.rank_collectives >= (2 if sampling else 1) * stats.decoding_steps  # every step went through it
