@@ -1,5 +1,7 @@
 """What one weights fingerprint (`rank_agreement.weights_fingerprint`, every speculative call on a spread target)
-allocates beyond the model: the process's peak resident memory before and after, in a fresh process per model.
+allocates beyond the model: the process's peak resident memory before and after, in a fresh process per model, with
+the model's weights resident before (safetensors loads them memory-mapped from the file; reading a page the first
+time makes it resident, which is the weights, not the fingerprint).
 
     python benchmarks/fingerprint_memory.py
 
@@ -26,7 +28,9 @@ if sys.argv[1] == "drafter":
 else:
     model = nn.Linear(4096, 4096, bias=False).to(torch.bfloat16)
 size = sum(p.numel() * p.element_size() for p in model.parameters())
-weights_fingerprint(nn.Linear(64, 64))  # the code paths' own first-call allocations, outside the measure
+weights_fingerprint(nn.Linear(64, 64).to(torch.bfloat16))  # first-call allocations of the code, outside the measure
+for parameter in model.parameters():  # page in weights loaded from a memory-mapped file, as a model that ran has them
+    parameter.detach().sum()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 weights_fingerprint(model)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -22,7 +22,6 @@ replicate it (`dp_replicate_size`, training) decode their own prompts.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -237,23 +236,22 @@ def tensor_fingerprint(tensor: torch.Tensor | None) -> str:
     return _digest(repr((tuple(tensor.shape), str(tensor.dtype))).encode() + data.view(torch.uint8).numpy().tobytes())
 
 
-_MOMENT_CHUNK = 1 << 14  # elements cast to float64 at a time: 256 KB in flight at most, whatever the model's size
+_HASH_CHUNK = 1 << 20  # bytes of a weight hashed at a time: what is copied off an accelerator at once, at most
 
 
-def _moments(parameter: torch.Tensor) -> torch.Tensor:
-    """[sum, sum of squares] of a parameter in float64, a chunk at a time (no float64 copy of the whole weight)."""
-    flat = parameter.detach().reshape(-1)
-    total = torch.zeros(2, dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), _MOMENT_CHUNK):
-        chunk = flat[start : start + _MOMENT_CHUNK].double()
-        total += torch.stack([chunk.sum(), chunk.square().sum()])
-    return total
+def _hash_weight(digest: hashlib._Hash, weight: torch.Tensor) -> None:
+    """Feed `weight`'s bytes to `digest` as they lie in memory (a CPU weight is read in place, without a copy; one
+    on an accelerator comes over a chunk at a time)."""
+    data = weight.detach().contiguous().reshape(-1).view(torch.uint8)
+    for start in range(0, data.numel(), _HASH_CHUNK):
+        chunk = data[start : start + _HASH_CHUNK]
+        digest.update(chunk.cpu().numpy() if chunk.device.type != "cpu" else chunk.numpy())
 
 
 def weights_fingerprint(model: nn.Module | None) -> str:
-    """A digest of a model's parameter names, shapes and per-parameter sums and sums of squares (float64), computed
-    a chunk at a time, and again only when a parameter changes (replaced, or written in place: its version moves), so
-    every call can afford it; a weight that differs on one rank changes it."""
+    """A digest of a model's parameter names, shapes, dtypes and bytes, read in place, and again only when a parameter
+    changes (replaced, or written in place: its version moves), so every call can afford it; a weight that differs
+    on one rank by a single bit changes it."""
     if model is None:
         return "none"
     parameters = list(model.named_parameters())
@@ -261,9 +259,11 @@ def weights_fingerprint(model: nn.Module | None) -> str:
     cached = getattr(model, "_weights_fingerprint", None)
     if cached is not None and cached[0] == state:
         return cached[1]
+    digest = hashlib.sha256()
     with torch.no_grad():
-        values = [_moments(p).cpu().tolist() for _, p in parameters]
-    names = [(name, tuple(p.shape)) for name, p in parameters]
-    digest = text_fingerprint(json.dumps([names, values]))
-    model._weights_fingerprint = (state, digest)
-    return digest
+        for name, parameter in parameters:
+            digest.update(f"{name} {tuple(parameter.shape)} {parameter.dtype}".encode())
+            _hash_weight(digest, parameter)
+    value = digest.hexdigest()[:16]
+    model._weights_fingerprint = (state, value)
+    return value
