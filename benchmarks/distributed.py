@@ -11,8 +11,10 @@ prompt is the median over its repeats of plain time over speculative time. Print
 prompts), the median speedup over prompts with its 95% percentile bootstrap interval over prompts, how many greedy
 outputs were identical to plain decoding on every rank (sampling: how many got the same tokens on every rank), and
 what the ranks' agreement cost (`RankAgreement`): its collectives per decoding step and the share of the speculative
-call's time spent in them (rank 0's clock, waiting for the other rank included; medians over prompts). A speedup
-whose interval holds 1.00 is a tie.
+call's time spent in them (rank 0's clock, waiting for the other rank included; medians over prompts). Then, per
+drafter, the same speculative calls with the agreement and without it (`without_agreement`: the ranks seeded alike
+so they stay in step without it), interleaved: time with over time without, median over prompts with its interval.
+A ratio whose interval holds 1.00 is a tie.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -32,18 +35,48 @@ from hf_hyperdflash.distributed import (
     PARALLEL_PLANS,
     PROMPT_LOOKUP,
     compare,
+    drafting_arguments,
     gather,
     init_processes,
     load_drafters,
     load_spread_target,
+    timed_generate,
 )
 from hf_hyperdflash.evaluation.paired import median_with_interval
+from hf_hyperdflash.modeling.rank_agreement import RankAgreement
 from hf_hyperdflash.prompts import encode_prompt, load_prompts
 
 
 def relaunch_under_torchrun(processes: int) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), *sys.argv]
     raise SystemExit(subprocess.run(command, check=False).returncode)
+
+
+@contextmanager
+def without_agreement():
+    """Speculative calls as before the ranks agreed on anything: every `RankAgreement` a one-process one (no opening
+    check, no per-step collective). The ranks stay in step only while they compute and draw alike (seeded alike)."""
+    of = RankAgreement.__dict__["of"]
+    RankAgreement.of = classmethod(lambda cls, model: cls(None))
+    try:
+        yield
+    finally:
+        RankAgreement.of = of
+
+
+def agreement_cost(target, prompt, drafter, temperature: float, max_new_tokens: int, repeats: int, seed: int):
+    """Speculative time with the agreement over time without it (medians over `repeats` interleaved pairs, every
+    rank seeded alike); the drafters' whole copies of the target's head are made by the first call, with it."""
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    settings = {"max_new_tokens": max_new_tokens, **sampling, **drafting_arguments(drafter)}
+    agreed, alone = [], []
+    for repeat in range(repeats):
+        torch.manual_seed(seed + repeat)
+        agreed.append(timed_generate(target, prompt, **settings)[1])
+        torch.manual_seed(seed + repeat)
+        with without_agreement():
+            alone.append(timed_generate(target, prompt, **settings)[1])
+    return statistics.median(agreed) / statistics.median(alone)
 
 
 def main() -> None:
@@ -67,11 +100,13 @@ def main() -> None:
     drafters = load_drafters(specs, target)
     prompts = [encode_prompt(tokenizer, m, False) for m in load_prompts("sharegpt", "held_out", args.prompts)]
     rows = {name: [] for name in drafters}
+    costs = {name: [] for name in drafters}
     for index, prompt in enumerate(prompts):
         for name, drafter in drafters.items():
             ids = torch.tensor([prompt])
             settings = (args.temperature, args.max_new_tokens, args.repeats)
             rows[name].append(compare(target, ids, drafter, *settings, seed=index))
+            costs[name].append(agreement_cost(target, ids, drafter, *settings, seed=index))
     # greedy: identical to plain decoding on every rank; sampling: every rank got rank 0's tokens
     check = "identical" if args.temperature == 0 else "ranks_agree"
     agreeing = "identical on every rank" if args.temperature == 0 else "same tokens on every rank"
@@ -95,6 +130,11 @@ def main() -> None:
                 cost = f"| {collectives:.2f} | {100 * statistics.median(r['agreement_share'] for r in results):.1f}% |"
             speedup = f"{median:.2f}x ({low:.2f}-{high:.2f})"
             print(f"| {name} | {tau} | {speedup} | {identical[name]}/{len(results)} {cost}")
+        print("\n| method | speculative time with the agreement over time without it |")
+        print("|---|---|")
+        for name, ratios in costs.items():
+            median, low, high = median_with_interval(ratios)
+            print(f"| {name} | {median:.3f} ({low:.3f}-{high:.3f}) |")
     dist.destroy_process_group()
 
 
