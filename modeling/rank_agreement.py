@@ -135,7 +135,7 @@ class RankAgreement:
                     raise RuntimeError(f"{what}: a decision of {values.numel()} values where {size} were agreed")
             except Exception as error:  # reaches every rank below
                 failure = error
-        mine = values if self.decides and values is not None else torch.full((size,), _NOT_MINE)
+        mine = values if self.decides and failure is None else torch.full((size,), _NOT_MINE)
         start = time.perf_counter()
         packet = torch.cat([torch.tensor([int(failure is not None)]), state, -state, mine]).to(self.device)
         dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self.group)

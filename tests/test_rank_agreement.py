@@ -99,6 +99,10 @@ def test_a_decision_is_rank_zeros_and_a_failure_or_parted_tokens_anywhere_stop_e
     with pytest.raises(RuntimeError, match="Drafting failed on a rank .*rank 1: IndexError: drafter broke"):
         agreement.decide("Drafting", lambda: torch.tensor([2, 5, 6]), 3, state=state)
 
+    with_second_rank(monkeypatch, gathered=None, reduced=other)  # a decision of the wrong size sends none
+    with pytest.raises(RuntimeError, match="a decision of 2 values where 3 were agreed"):
+        agreement.decide("Drafting", lambda: torch.tensor([5, 6]), 3, state=state)
+
     parted = torch.tensor([0, 11, 99, -11, -99, lowest, lowest, lowest])  # rank 1 holds another length
     with_second_rank(monkeypatch, reduced=parted)
     with pytest.raises(RuntimeError, match="hold different tokens"):
