@@ -37,6 +37,7 @@ from hf_hyperdflash.distributed import (
     compare,
     drafting_arguments,
     gather,
+    generation_settings,
     init_processes,
     load_drafters,
     load_spread_target,
@@ -67,8 +68,7 @@ def without_agreement():
 def agreement_cost(target, prompt, drafter, temperature: float, max_new_tokens: int, repeats: int, seed: int):
     """Speculative time with the agreement over time without it (medians over `repeats` interleaved pairs, every
     rank seeded alike); the drafters' whole copies of the target's head are made by the first call, with it."""
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    settings = {"max_new_tokens": max_new_tokens, **sampling, **drafting_arguments(drafter)}
+    settings = generation_settings(temperature, max_new_tokens) | drafting_arguments(drafter)
     agreed, alone = [], []
     for repeat in range(repeats):
         torch.manual_seed(seed + repeat)

@@ -105,10 +105,15 @@ def timed_generate(target: PreTrainedModel, prompt: torch.Tensor, **kwargs) -> t
     return output, time.perf_counter() - start
 
 
+def generation_settings(temperature: float, max_new_tokens: int) -> dict:
+    """Greedy at T=0, else sampling at `temperature` (with the target's own other sampling settings)."""
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    return {"max_new_tokens": max_new_tokens, **sampling}
+
+
 def compare(target, prompt, drafter, temperature: float, max_new_tokens: int, repeats: int, seed: int) -> dict:
     """Plain and speculative decoding of `prompt`, interleaved `repeats` times; every rank seeded `seed + rank`."""
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    settings = {"max_new_tokens": max_new_tokens, **sampling}
+    settings = generation_settings(temperature, max_new_tokens)
     plain_seconds, speculative_seconds, taus, agreement = [], [], [], []
     for repeat in range(repeats):
         torch.manual_seed(seed + repeat)  # alike on every rank: plain decoding has no agreement of its own

@@ -232,17 +232,18 @@ def tensor_fingerprint(tensor: torch.Tensor | None) -> str:
     """A short digest of an input tensor's shape, dtype and bytes (a prompt, a mask, pixel values)."""
     if tensor is None:
         return "none"
-    data = tensor.detach().reshape(-1).cpu().contiguous()
-    return _digest(repr((tuple(tensor.shape), str(tensor.dtype))).encode() + data.view(torch.uint8).numpy().tobytes())
+    digest = hashlib.sha256(repr((tuple(tensor.shape), str(tensor.dtype))).encode())
+    _hash_bytes(digest, tensor)
+    return digest.hexdigest()[:16]
 
 
-_HASH_CHUNK = 1 << 20  # bytes of a weight hashed at a time: what is copied off an accelerator at once, at most
+_HASH_CHUNK = 1 << 20  # bytes of a tensor hashed at a time: what is copied off an accelerator at once, at most
 
 
-def _hash_weight(digest: hashlib._Hash, weight: torch.Tensor) -> None:
-    """Feed `weight`'s bytes to `digest` as they lie in memory (a CPU weight is read in place, without a copy; one
+def _hash_bytes(digest: hashlib._Hash, tensor: torch.Tensor) -> None:
+    """Feed `tensor`'s bytes to `digest` as they lie in memory (a CPU tensor is read in place, without a copy; one
     on an accelerator comes over a chunk at a time)."""
-    data = weight.detach().contiguous().reshape(-1).view(torch.uint8)
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     for start in range(0, data.numel(), _HASH_CHUNK):
         chunk = data[start : start + _HASH_CHUNK]
         digest.update(chunk.cpu().numpy() if chunk.device.type != "cpu" else chunk.numpy())
@@ -263,7 +264,7 @@ def weights_fingerprint(model: nn.Module | None) -> str:
     with torch.no_grad():
         for name, parameter in parameters:
             digest.update(f"{name} {tuple(parameter.shape)} {parameter.dtype}".encode())
-            _hash_weight(digest, parameter)
+            _hash_bytes(digest, parameter)
     value = digest.hexdigest()[:16]
     model._weights_fingerprint = (state, value)
     return value
