@@ -31,11 +31,14 @@ from ..sharegpt import Conversation, load_conversations
 from ..testing import randomize_hash_table
 from ..training.curves import plot_curves
 from ..training.loop import LoopConfig, run_training
-from . import DRAFTER_KINDS
+from . import DRAFTER_KINDS, teacher
 from .config import SEQUENCE_LENGTH, reference_target_config
+from .distil import DISTIL_TEMPERATURES, distil_target
 
 ASSETS = Path(__file__).parent / "assets"
-STAGES = ("tokenizer", "target", "mtp", "drafters")
+# teacher: a real chat model's greedy replies (`teacher.py`); target: next-token training on ShareGPT; distil: the
+# target learns the teacher's replies (`distil.py`), and that is the target shipped and drafted for
+STAGES = ("tokenizer", "teacher", "target", "distil", "mtp", "drafters")
 THINKING_PERCENT = 25  # share of training conversations rendered in thinking mode
 # Two warm-restart cycles of 2000 steps: the first cycle alone left the greedy replies looping (docs/reference.md).
 TARGET_LOOP = LoopConfig(
@@ -149,11 +152,13 @@ def _mtp_losses(model: MTPWithFrozenTarget, batch: dict[str, torch.Tensor]) -> d
     return {"loss": model(batch["input_ids"])}
 
 
-def train_mtp(tokenizer: PreTrainedTokenizerFast, work_dir: Path, loop: LoopConfig = MTP_LOOP) -> Path:
+def train_mtp(
+    tokenizer: PreTrainedTokenizerFast, work_dir: Path, target_dir: Path, loop: LoopConfig = MTP_LOOP
+) -> Path:
     final = work_dir / "mtp"
     if (final / "config.json").exists():
         return final
-    target = DeepseekV4ForCausalLM.from_pretrained(work_dir / "target", dtype=torch.float32).eval()
+    target = DeepseekV4ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     target.requires_grad_(False)
     chunks = packed_chunks(tokenizer, work_dir / "target_chunks.pt")
     examples = [{"input_ids": row} for row in chunks]
@@ -219,7 +224,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", type=Path, default=Path("runs/reference"), help="checkpoints, logs, caches")
     parser.add_argument("--out", type=Path, default=ASSETS, help="where the bf16 model set is exported")
     parser.add_argument(
-        "--stages", default="tokenizer,target,mtp", help=f"comma-separated subset of: {','.join(STAGES)}"
+        "--stages",
+        default="tokenizer,teacher,target,distil,mtp",
+        help=f"comma-separated subset of: {','.join(STAGES)}",
+    )
+    parser.add_argument(
+        "--teacher-dir", type=Path, default=None, help="the teacher's file and replies (default: <work-dir>/teacher)"
     )
     parser.add_argument(
         "--drafters-dir", type=Path, default=Path("runs/reference_drafters"), help="trained drafters (drafters stage)"
@@ -235,15 +245,23 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise ValueError(f"Unknown stages {sorted(unknown)}; choose from {','.join(STAGES)}.")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    if stages & {"tokenizer", "target", "mtp"}:
+    teacher_dir = args.teacher_dir or args.work_dir / "teacher"
+    if stages & {"tokenizer", "target", "distil", "mtp"}:
         tokenizer = build_tokenizer(args.work_dir / "tokenizer")
     if "tokenizer" in stages:
         tokenizer.save_pretrained(args.out / "tokenizer")
+    if "teacher" in stages:
+        temperatures = [str(t) for t in DISTIL_TEMPERATURES]
+        teacher.main(["--out", str(teacher_dir), "--cache-dir", str(args.work_dir / "teacher_model"),
+                      "--temperatures", *temperatures])
     if "target" in stages:
-        target_dir = train_target(tokenizer, args.work_dir)
+        train_target(tokenizer, args.work_dir)
+    if stages & {"distil", "mtp"}:
+        target_dir = distil_target(tokenizer, args.work_dir, teacher_dir)  # the MTP drafts for the distilled target
+    if "distil" in stages:
         export_bf16(DeepseekV4ForCausalLM, target_dir, args.out / "target")
     if "mtp" in stages:
-        export_bf16(DeepseekV4MTPForDrafting, train_mtp(tokenizer, args.work_dir), args.out / "mtp")
+        export_bf16(DeepseekV4MTPForDrafting, train_mtp(tokenizer, args.work_dir, target_dir), args.out / "mtp")
     if "drafters" in stages:
         export_drafters(args.drafters_dir, args.out, args.drafters.split(","))
 

@@ -1,0 +1,70 @@
+"""The reference target learns the teacher's replies: rows in its chat format, loss on the reply alone."""
+
+import json
+
+import torch
+from transformers import AutoTokenizer
+
+from hf_hyperdflash import reference
+from hf_hyperdflash.reference.distil import (
+    IGNORE_INDEX,
+    MAX_REPLY_TOKENS,
+    collate_rows,
+    packed_rows,
+    reply_example,
+    reply_losses,
+    teacher_examples,
+)
+
+
+def tokenizer():
+    return AutoTokenizer.from_pretrained(reference.tokenizer_path())
+
+
+def test_a_row_is_the_prompt_in_the_chat_format_then_the_reply_with_labels_on_the_reply_only():
+    tok = tokenizer()
+    row = reply_example(tok, "Name a fruit.", "An apple.", ended=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Name a fruit."}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert row["input_ids"][: len(prompt)].tolist() == list(prompt)
+    assert (row["labels"][: len(prompt)] == IGNORE_INDEX).all()
+    reply = row["labels"][len(prompt) :].tolist()
+    assert reply[-1] == tok.eos_token_id  # an ended reply closes the turn
+    assert tok.decode(reply[:-1]) == "An apple."
+    assert row["input_ids"][len(prompt) :].tolist() == reply
+
+    cut = reply_example(tok, "Name a fruit.", "An apple.", ended=False)
+    assert cut["labels"][-1] != tok.eos_token_id  # a reply cut at the teacher's budget never learns to end there
+    long = reply_example(tok, "Name a fruit.", "apple " * 1000, ended=True)
+    assert (long["labels"] != IGNORE_INDEX).sum() == MAX_REPLY_TOKENS
+
+
+def test_rows_pack_the_examples_in_order_and_keep_their_labels():
+    examples = [{"input_ids": torch.arange(i * 10, i * 10 + 5), "labels": torch.tensor([IGNORE_INDEX] * 2 + [1, 2, 3])}
+                for i in range(5)]
+    rows = packed_rows(examples, length=8)
+    assert len(rows) == 3  # 25 tokens: 3 rows of 8, the last token dropped
+    for key in ("input_ids", "labels"):
+        assert torch.cat([r[key] for r in rows]).tolist() == torch.cat([e[key] for e in examples])[:24].tolist()
+    batch = collate_rows(rows[:2])
+    assert batch["num_tokens"] == (batch["labels"][:, 1:] != IGNORE_INDEX).sum() == 8
+
+
+def test_the_loss_is_the_reply_tokens_cross_entropy(target):
+    prompt, reply = [3, 5, 7, 2], [9, 4, 6]
+    rows = [{"input_ids": torch.tensor(prompt + reply), "labels": torch.tensor([IGNORE_INDEX] * 4 + reply)}]
+    batch = collate_rows(rows)
+    logits = target(input_ids=batch["input_ids"]).logits[0, 3:-1]
+    expected = torch.nn.functional.cross_entropy(logits, torch.tensor(reply))
+    torch.testing.assert_close(reply_losses(target, batch)["lm_loss"], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_examples_read_every_reply_and_skip_empty_ones(tmp_path):
+    shard = tmp_path / "t0" / "shard_00000.jsonl"
+    shard.parent.mkdir()
+    records = [{"id": "a", "prompt": "Hi.", "reply": "Hello.", "ended": True, "temperature": 0.0},
+               {"id": "b", "prompt": "Why?", "reply": "", "ended": True, "temperature": 0.0}]
+    shard.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    examples = teacher_examples(tokenizer(), tmp_path)
+    assert len(examples) == 1
