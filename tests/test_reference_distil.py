@@ -1,11 +1,13 @@
 """The reference target learns the teacher's replies: rows in its chat format, loss on the reply alone."""
 
+import functools
 import json
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from hf_hyperdflash import reference
+from hf_hyperdflash.reference import build
 from hf_hyperdflash.reference.distil import (
     IGNORE_INDEX,
     MAX_REPLY_TOKENS,
@@ -15,6 +17,8 @@ from hf_hyperdflash.reference.distil import (
     reply_losses,
     teacher_examples,
 )
+from hf_hyperdflash.testing import tiny_deepseek_v4
+from hf_hyperdflash.training.loop import LoopConfig
 
 
 def tokenizer():
@@ -68,3 +72,31 @@ def test_examples_read_every_reply_and_skip_empty_ones(tmp_path):
     shard.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     examples = teacher_examples(tokenizer(), tmp_path)
     assert len(examples) == 1
+
+
+def test_the_build_distils_the_language_model_on_the_replies_and_ships_it(tmp_path, monkeypatch):
+    tok = tokenizer()
+    teacher_dir = tmp_path / "teacher"
+    (teacher_dir / "t0").mkdir(parents=True)
+    records = [{"id": str(i), "prompt": f"Question {i}?", "reply": "Answer " * 40, "ended": True, "temperature": 0.0}
+               for i in range(8)]
+    (teacher_dir / "t0" / "shard_00000.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    work = tmp_path / "work"
+    start = tiny_deepseek_v4(seed=5, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+    start.save_pretrained(work / "target")
+    tok.save_pretrained(work / "tokenizer")
+    loop = LoopConfig(total_steps=3, batch_size=1, learning_rate=1e-3, warmup_steps=1, checkpoint_every=3)
+    monkeypatch.setattr(build, "distil_target", functools.partial(build.distil_target, loop=loop))
+
+    build.main(["--work-dir", str(work), "--stages", "distil", "--out", str(tmp_path / "out"),
+                "--teacher-dir", str(teacher_dir)])
+    log = [json.loads(line) for line in (work / "distil_run" / "log.jsonl").open()]
+    assert [r["step"] for r in log] == [3]
+    distilled = DeepseekV4ForCausalLM.from_pretrained(work / "target_distilled", dtype=torch.float32)
+    embeddings = start.get_input_embeddings().weight, distilled.get_input_embeddings().weight
+    change = (embeddings[1] - embeddings[0]).norm() / embeddings[0].norm()
+    assert 0 < change < 0.5  # it learned from the replies, starting from the language-model stage
+    shipped = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "out" / "target")  # the distilled target, as bf16
+    for name, weight in distilled.state_dict().items():  # each weight rounded once to bf16
+        torch.testing.assert_close(shipped.state_dict()[name].float(), weight.bfloat16().float(), rtol=0, atol=0)

@@ -24,12 +24,13 @@ Example = dict[str, torch.Tensor]
 IGNORE_INDEX = -100  # transformers' causal LM loss skips these labels
 MAX_PROMPT_TOKENS = 256  # target tokens; longer prompts keep their end, as the teacher saw them
 MAX_REPLY_TOKENS = 255
-# Greedy replies: a student of sampled replies learns the teacher's own spread, and the Q4_1 teacher is far less
-# confident at T=1 than a real chat model should be (docs/reference.md); its greedy replies teach the mode.
+# Greedy replies: a student of sampled replies learns the teacher's own spread, which is flat at T=1
+# (docs/reference.md); its greedy replies teach the mode.
 DISTIL_TEMPERATURES = (0.0,)
-# Two passes over the packed replies (about 1,700 rows of 512 tokens), 4 rows a step as in the language-model stage
+# About six passes over the packed replies (about 1,800 rows of 512 tokens), 4 rows a step as in the language-model
+# stage, in warm-restart cycles of about two passes
 DISTIL_LOOP = LoopConfig(
-    total_steps=860, batch_size=4, learning_rate=5e-4, warmup_steps=50, checkpoint_every=100, seed=2
+    total_steps=2580, cycle_steps=860, batch_size=4, learning_rate=5e-4, warmup_steps=50, checkpoint_every=100, seed=2
 )
 
 
