@@ -46,14 +46,14 @@ def main() -> None:
     fresh = DeepseekV4ForCausalLM(trained.config).float()
     randomize_hash_table(fresh, seed=loop.seed)
     losses = {}
-    for name, model in (("today's weights", trained), ("afresh", fresh)):
+    for name, model in (("from today's weights", trained), ("afresh", fresh)):
         with tempfile.TemporaryDirectory() as run_dir:
             run_training(model, rows, collate_rows, reply_losses, run_dir, loop, description=name)
             log = [json.loads(line) for line in (Path(run_dir) / "log.jsonl").open()]
         losses[name] = statistics.mean(r["lm_loss"] for r in log[-args.window :])
     print(f"{len(rows)} rows of 512 tokens; {args.steps} steps of {loop.batch_size} rows, none seen twice")
     for name, loss in losses.items():
-        print(f"start from {name}: reply-token loss over the last {args.window} steps {loss:.3f}")
+        print(f"starting {name}: reply-token loss over the last {args.window} steps {loss:.3f}")
 
 
 if __name__ == "__main__":
