@@ -1,6 +1,7 @@
-"""Build the reference model set from scratch: tokenizer, DeepSeek-V4 target, native MTP.
+"""Build the reference model set from scratch: tokenizer, the teacher's replies, a DeepSeek-V4 target trained on
+ShareGPT and then on the teacher's replies, its native MTP.
 
-    python -m hf_hyperdflash.reference.build --work-dir runs/reference
+    python -m hf_hyperdflash.reference.build --work-dir runs/reference   # needs `pip install ".[reference]"`
     python -m hf_hyperdflash.reference.build --stages drafters   # after the three `hyperdflash train` runs
     python -m hf_hyperdflash.reference.build --stages drafters --drafters hyperdflash   # one of them
 
