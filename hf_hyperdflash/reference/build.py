@@ -34,7 +34,7 @@ from ..training.curves import plot_curves
 from ..training.loop import LoopConfig, run_training
 from . import DRAFTER_KINDS, teacher
 from .config import SEQUENCE_LENGTH, reference_target_config
-from .distil import DISTIL_TEMPERATURES, distil_target
+from .distil import DISTIL_TEMPERATURES, distil_target, reply_losses
 
 ASSETS = Path(__file__).parent / "assets"
 # teacher: a real chat model's greedy replies (`teacher.py`); target: next-token training on ShareGPT; distil: the
@@ -97,8 +97,7 @@ def _collate_tokens(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 
 
 def _target_losses(model: DeepseekV4ForCausalLM, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = model(input_ids=batch["input_ids"], labels=batch["input_ids"], output_router_logits=True)
-    return {"loss": out.loss, "lm_loss": out.loss - model.router_aux_loss_coef * out.aux_loss}
+    return reply_losses(model, {**batch, "labels": batch["input_ids"]})  # every token is a label
 
 
 def train_language_model(
