@@ -11,6 +11,7 @@ same way there, so the package adds no failure of its own. The launches: `rank_c
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,13 +117,16 @@ def test_the_documented_cpu_command_runs_as_written():
     """`torchrun --nproc_per_node 2 -m hf_hyperdflash.distributed` (docs/distributed.md): the shipped pair over 2
     processes, every shipped drafter and prompt lookup, greedy and at T=1."""
     torchrun = Path(sys.executable).parent / "torchrun"
+    # Python's stacks on a fatal signal, should a rank abort (one did once in CI, outside any Python exception)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     run = subprocess.run(
         [str(torchrun), "--nproc_per_node", "2", "-m", "hf_hyperdflash.distributed"],
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-6000:]
     lines = [line for line in run.stdout.splitlines() if " T=" in line]
     assert len(lines) == 10, run.stdout  # 5 ways of drafting, 2 temperatures
     assert all("ranks agree True" in line for line in lines), run.stdout
