@@ -62,6 +62,10 @@ class BatchRows:
             return False
         return cache_length >= final - 1 or not cache_seen
 
+    def slowest(self, rows: list[int]) -> int:
+        """The shortest length among `rows`, a stopped row's counted where it stopped."""
+        return min(self.stopped_at[row] if self.stopped(row) else self.committed[row] for row in rows)
+
     def ahead(self, cache_length: int) -> list[int]:
         """Per row: its committed tokens not in the cache (the newest included)."""
         return [committed - cache_length for committed in self.committed]

@@ -342,6 +342,8 @@ class BatchedSpeculativeLoop:
         shortest run of committed inputs, record scores, and keep the features the drafter needs next."""
         rows, width = self.rows, step.width
         accepted_list, verified_list = accepted.tolist(), verified.tolist()
+        generating = [row for row in range(rows.batch) if not rows.stopped(row)]  # the batch's pace: its slowest
+        slowest = rows.slowest(generating) if generating else None
         reach = []  # per row: positions of this forward whose inputs (and all before) the row committed
         for row in range(rows.batch):
             if step.fresh(row) and not rows.ended(row):
@@ -374,7 +376,8 @@ class BatchedSpeculativeLoop:
             self.stats.accepted_per_step.append(shortest - 1)
             self.stats.proposed_per_step.append(width - 1)
         if width > 1 or step.drafter_forwards:  # the policy learns from every step it drafted or verified drafts for
-            self.policy.record_batch(self._step_record(step, accepted_list))
+            advanced = shortest if slowest is None else rows.slowest(generating) - slowest
+            self.policy.record_batch(self._step_record(step, accepted_list, advanced))
         return new_length, model_kwargs
 
     def _joined_features(self) -> torch.Tensor:
@@ -394,19 +397,18 @@ class BatchedSpeculativeLoop:
             column += piece.shape[1]
         self.features = [*kept, new]
 
-    def _step_record(self, step: Step, accepted: list[int]) -> BatchStepRecord:
+    def _step_record(self, step: Step, accepted: list[int], advanced: int) -> BatchStepRecord:
         """Per row still drafting: the confidences the width was chosen from, its drafts verified and accepted; and
-        the new tokens a row committed on average."""
-        records, tokens = [], []
+        how far the batch's slowest row advanced (`advanced`: the batch ends with that row, so a row's lead counts
+        only once the others catch up)."""
+        records = []
         for row, confidences in enumerate(self.drafts.row_confidences):
-            if self.rows.ended(row):
+            if self.rows.ended(row) or not step.fresh(row):
                 continue
-            fresh = step.fresh(row)
-            verified = min(len(confidences), step.width - step.ahead[row]) if fresh else 0
+            verified = min(len(confidences), step.width - step.ahead[row])
             if verified:
                 records.append(RowStep(confidences, verified, accepted[row]))
-            tokens.append(accepted[row] + 1 if fresh else 0)
-        return BatchStepRecord(records, sum(tokens) / max(len(tokens), 1), step.width - 1, step.drafter_forwards)
+        return BatchStepRecord(records, advanced, step.width - 1, step.drafter_forwards)
 
     def _record(self, row: int, reach: int, processed: torch.Tensor, logits: torch.Tensor, cache_length: int) -> None:
         """Scores of the row's new columns up to `reach`, from positions whose inputs it committed."""

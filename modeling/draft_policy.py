@@ -11,10 +11,11 @@ tokens alone, never by the clock, so a seeded call samples the same text every t
   top probability there), through a table the call calibrates as drafts are verified. A sequential drafter (native
   MTP) drafts one more token while that raises the expected rate.
 - Drafting pays while the last `window` drafted steps brought at least `1 - margin` tokens per unit of cost (plain
-  decoding brings 1). When they do not, the next `wait` steps decode without the drafter, then one step probes,
-  verifying one draft at least, and joins the window. Each wait is `wait_growth` times the last (to `max_wait`); a
-  probe that pays on its own quarters the wait before it, and a window that pays again resumes drafting with the wait
-  back at 1.
+  decoding brings 1; a batch's tokens are what its slowest row gained). When they do not, the next steps
+  decode without the drafter, then one step probes, verifying one draft at least, and joins the window. Each wait is
+  `wait_growth` times the last (to `max_wait`), and long enough that a probe losing what the recent drafted steps
+  lost costs at most `margin` of the wait and the probe together; a probe that pays on its own quarters the wait
+  before it, and a window that pays again resumes drafting with the wait back at 1.
 - What decides whether draft j is verified is known before it is drawn (confidences 1..j, earlier steps), so
   speculative sampling stays exact.
 
@@ -62,11 +63,12 @@ class RowStep:
 
 @dataclass(frozen=True)
 class BatchStepRecord:
-    """A batched decoding step as a policy learns from it: its rows, the new tokens a row committed on average,
-    the drafted positions of its verify forward and the drafter forwards spent."""
+    """A batched decoding step as a policy learns from it: its rows, how many tokens the batch's slowest row
+    gained (its pace: a plain step gains 1), the drafted positions of its verify forward and the drafter forwards
+    spent."""
 
     rows: list[RowStep]
-    tokens: float
+    tokens: int
     width: int
     drafter_forwards: int
 
@@ -252,14 +254,14 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     window = 16  # drafted steps that say whether drafting pays
     margin = 0.05  # drafting goes on unless it brings this much less than plain decoding per unit of cost
-    wait_growth = 4  # each wait this many times the last: 1, 4, 16, 64 steps
+    wait_growth = 4  # each wait at least this many times the last: 1, 4, 16, 64 steps
     max_wait = 64  # steps without the drafter between probes, at most
 
     def __init__(self, max_draft: int, costs: DraftCosts):
         super().__init__(max_draft)
         self.costs = costs
         self.calibration = AcceptanceCalibration()
-        self.recent: deque[tuple[int, float]] = deque(maxlen=self.window)  # (tokens, cost) of drafted steps
+        self.recent: deque[tuple[float, float]] = deque(maxlen=self.window)  # (tokens, cost) of drafted steps
         self.wait = 1  # the next wait, once drafting stops paying
         self.steps_to_wait = 0
         self.probing = False  # the next drafted step follows a wait
@@ -340,8 +342,17 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return
         if probe and self._pays([drafted]):  # the text may have got easier: wait less before the next probe
             self.wait = max(self.wait // 4, 1)
-        self.steps_to_wait, self.probing = self.wait, True
+        self.steps_to_wait, self.probing = max(self.wait, self._amortising_wait()), True
         self.wait = min(self.wait_growth * self.wait, self.max_wait)
+
+    def _amortising_wait(self) -> int:
+        """The shortest wait W over which a probe that brings `t` tokens at cost `c` (the recent drafted steps' mean)
+        keeps the margin: (W + t) / (W + c) >= 1 - margin. The costlier drafting is against what it brings (a large
+        batch on a CPU), the rarer the probes."""
+        tokens = sum(t for t, _ in self.recent) / len(self.recent)
+        cost = sum(c for _, c in self.recent) / len(self.recent)
+        wait = ((1.0 - self.margin) * cost - tokens) / self.margin
+        return min(max(math.ceil(wait), 1), self.max_wait)
 
 
 def lowest_cost_threshold(scores: Sequence[float], positives: Sequence[bool]) -> float:

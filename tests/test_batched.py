@@ -302,6 +302,24 @@ def test_the_schedule_drafts_less_where_rows_accept_less(targets):
     assert drafted[1] < drafted[0]
 
 
+def test_the_schedule_judges_a_batch_by_its_slowest_row(targets):
+    """Three rows whose drafts are always right and one whose drafts never are: the batch ends with that row, which
+    gains one token a drafted step at more than a plain step's cost, so under the default schedule drafting stops
+    paying at once, however much the other rows verify, and the batch decodes most steps without the drafter."""
+    target = targets("hy_v4")
+    inputs = left_padded_batch(target.config.vocab_size, lengths=(12,) * 4, seed=3)
+    greedy = {"max_new_tokens": 40, "do_sample": False}
+    expected = target.generate(**inputs, pad_token_id=PAD, **greedy)
+    hints = expected.clone()
+    hints[0] = (expected[0] + 1) % target.config.vocab_size  # row 0's drafts: never the target's token
+    drafter = new_drafter(target, "hyperdflash")
+    assert drafter.generation_config.num_assistant_tokens_schedule == "adaptive"
+    got = speculative(target, "hyperdflash", drafter, hints, inputs, corruption=0.0, **greedy)
+    assert torch.equal(got, expected)
+    stats = drafter.last_generation_stats
+    assert stats.decoding_steps - stats.skipped_steps <= 3  # the first step, and a probe or two
+
+
 # Every row of docs/generate_parity.md, on a batch: options the batch-1 matrix (`test_lossless.py`) runs and that a
 # batch takes are run here too, the others refused (or refused with a drafter at any batch size)
 REFUSED_ON_A_BATCH = {
