@@ -178,7 +178,7 @@ def test_vanilla_dflash_trains_on_intermediate_layers_in_bf16_with_accumulation(
     drafter = new_drafter(target, reducer="dense", conditioning="intermediate", target_layer_ids=[1, 2])
     input_ids = examples[0]["input_ids"][None]
     features = DrafterWithFrozenTarget(drafter, target, LossConfig())._target_pass(
-        input_ids, torch.tensor([[PROMPT_LENGTH]])
+        input_ids, torch.ones_like(input_ids, dtype=torch.bool), torch.tensor([[PROMPT_LENGTH]])
     )[0]
     with torch.no_grad():
         layer_outputs = target.model(input_ids=input_ids, output_hidden_states=True).hidden_states

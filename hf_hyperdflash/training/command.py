@@ -194,6 +194,7 @@ def run_train(args: argparse.Namespace) -> Path:
         loop,
         losses,
         anchors_per_sequence=settings["anchors_per_sequence"],
+        left_padding=(settings["left_padding_share"], settings["max_left_padding"]),
         eval_prompts=eval_prompts,
         eval_max_new_tokens=settings["eval_max_new_tokens"],
         make_optimizer=make_optimizer,

@@ -22,6 +22,7 @@ from ..modeling.modeling_hyperdflash import block_attention_mask
 from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
 from .collator import IGNORE_INDEX
+from .left_padding import target_inputs
 from .losses import acceptance_terms, accuracy_terms, teacher_logits
 
 LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "confidence": 1.0}
@@ -53,11 +54,14 @@ class DSparkWithFrozenTarget(nn.Module):
         self.target = get_target_adapter(target)
 
     @torch.no_grad()
-    def _target_pass(self, input_ids: torch.LongTensor, anchor_positions: torch.LongTensor):
-        """The tapped layers' outputs and the target's logits at each block row's position (a + k)."""
+    def _target_pass(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, anchor_positions: torch.LongTensor
+    ):
+        """The tapped layers' outputs and the target's logits at each block row's position (a + k), from a forward
+        run as generate()'s prefill runs it (`left_padding.target_inputs`)."""
         config = self.drafter.config
         with self.target.capture() as final, self.target.capture(config.dspark_target_layer_ids) as tapped:
-            self.target.model.model(input_ids=input_ids, use_cache=False)
+            self.target.model.model(**target_inputs(input_ids, attention_mask), use_cache=False)
             teacher = teacher_logits(
                 self.target, final.features(), anchor_positions, config.dspark_block_size, kind="gated"
             )
@@ -72,14 +76,15 @@ class DSparkWithFrozenTarget(nn.Module):
     ) -> dict[str, torch.Tensor]:
         config, drafter = self.drafter.config, self.drafter
         rows = config.dspark_block_size
-        features, teacher = self._target_pass(input_ids, anchor_positions)
+        features, teacher = self._target_pass(input_ids, attention_mask, anchor_positions)
         batch, length = input_ids.shape
         anchors = input_ids.gather(1, anchor_positions)
         noise = anchors.new_full((*anchors.shape, rows - 1), config.dspark_noise_token_id)
         block_ids = torch.cat([anchors.unsqueeze(-1), noise], dim=-1).flatten(1)
         offsets = torch.arange(rows, device=input_ids.device)
         block_positions = (anchor_positions.unsqueeze(-1) + offsets).flatten(1)
-        # Block n sees the context before its anchor, within the window, and the real tokens only
+        # Block n sees the context before its anchor, within the window, and the real tokens only; positions by
+        # column (a row's left padding shifts them all alike, and RoPE is relative)
         context = torch.arange(length, device=input_ids.device)
         before = context < anchor_positions.unsqueeze(-1)
         visible = before & (context >= anchor_positions.unsqueeze(-1) - config.sliding_window)

@@ -101,6 +101,8 @@ DEFAULTS = {
     "max_length": 2048,
     # loss
     "anchors_per_sequence": 16,
+    "left_padding_share": 0.0,
+    "max_left_padding": 256,
     "gamma": None,
     "kl_weight": 0.1,
     "kl_positions": 2,
@@ -343,6 +345,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
     loss = parser.add_argument_group("loss")
     _option(loss, "--anchors-per-sequence", "Draft blocks sampled per sequence, anew every epoch.", type=int)
+    _option(
+        loss,
+        "--left-padding-share",
+        "Share of sequences left-padded as batched generate() pads prompts (a padded V4 row's features differ).",
+        type=float,
+    )
+    _option(loss, "--max-left-padding", "Most pad tokens before a left-padded sequence.", type=int)
     _option(loss, "--gamma", "CE weight of slot k is exp(-(k-1)/gamma). Default: 7*(B-1)/15 (7 at B=16).", type=float)
     _option(loss, "--kl-weight", "alpha of the KL term (0: KL only logged).", type=float)
     _option(loss, "--kl-positions", "First block slots that get the KL term.", type=int)

@@ -30,6 +30,7 @@ from ..modeling.targets import get_target_adapter
 from .collator import IGNORE_INDEX, BlockCollator
 from .curves import plot_curves
 from .dspark import DSparkWithFrozenTarget
+from .left_padding import target_inputs
 from .loop import DataShards, EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
 from .losses import (
     LossConfig,
@@ -152,14 +153,13 @@ class DrafterWithFrozenTarget(nn.Module):
         self.every_slot = self.with_heads or losses.l1_weight > 0 or losses.ce_label == "argmax"
 
     @torch.no_grad()
-    def _target_pass(self, input_ids: torch.LongTensor, anchor_positions: torch.LongTensor):
-        """Conditioning features, KL teacher logits and anchor embeddings from one frozen target forward.
-
-        Sequences are right-padded, so no mask is needed: every target layer is causal, and padding only
-        follows the real tokens.
-        """
+    def _target_pass(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, anchor_positions: torch.LongTensor
+    ):
+        """Conditioning features, KL teacher logits and anchor embeddings from one frozen target forward, run as
+        generate()'s prefill runs it (`left_padding.target_inputs`)."""
         with self.target.capture() as final, self.target.capture(self.layer_ids) as conditioning:
-            self.target.model.model(input_ids=input_ids, use_cache=False)
+            self.target.model.model(**target_inputs(input_ids, attention_mask), use_cache=False)
             features = conditioning.features()
             teacher = teacher_logits(
                 self.target, final.features(), anchor_positions, self.losses.kl_positions, self.losses.teacher
@@ -177,9 +177,9 @@ class DrafterWithFrozenTarget(nn.Module):
         anchor_positions: torch.LongTensor,
         labels: torch.LongTensor,
     ) -> dict[str, torch.Tensor]:
-        features, teacher, every_slot, anchor_embeds = self._target_pass(input_ids, anchor_positions)
+        features, teacher, every_slot, anchor_embeds = self._target_pass(input_ids, attention_mask, anchor_positions)
         batch, length = input_ids.shape
-        out = self.drafter(
+        out = self.drafter(  # positions by column: a row's left padding shifts them all alike (RoPE is relative)
             anchor_embeds=anchor_embeds,
             target_hidden=features,
             context_position_ids=torch.arange(length, device=input_ids.device).expand(batch, length),
@@ -255,9 +255,12 @@ def train_drafter(
     accelerator: Accelerator | None = None,
     on_checkpoint: Callable[[int], None] | None = None,
     shards: DataShards | None = None,
+    left_padding: tuple[float, int] = (0.0, 0),
 ) -> HyperDFlashForDrafting:
     """Train `drafter` on `examples` (from `load_examples`) and return it as a plain drafter (LoRA merged). A DSpark
-    drafter trains with DeepSpec's objective (`dspark.py`; `losses` is HyperDFlash's).
+    drafter trains with DeepSpec's objective (`dspark.py`; `losses` is HyperDFlash's). `left_padding` (share, most):
+    that share of the sequences is left-padded by up to `most` tokens, as batched generate() pads prompts
+    (`left_padding.py`).
 
     `target` must sit on the accelerator's device, or be spread over the processes by transformers' parallel plans
     (`hf_hyperdflash.distributed.load_spread_target`; `shards` then gives each group of processes its share of the
@@ -274,7 +277,7 @@ def train_drafter(
             raise ValueError(f"`kl_positions` ({losses.kl_positions}) exceeds the {block_size - 1} drafted slots.")
     pad_token_id = target.config.get_text_config().pad_token_id
     pad_token_id = pad_token_id if pad_token_id is not None else 0
-    collate = BlockCollator(block_size, anchors_per_sequence, pad_token_id=pad_token_id, seed=loop.seed)
+    collate = BlockCollator(block_size, anchors_per_sequence, pad_token_id, loop.seed, left_padding)
     module = run_training(
         module,
         examples,
