@@ -1,5 +1,6 @@
 """The measuring loop on the tiny target: lossless counting, stats pooling, seeds."""
 
+import copy
 import math
 from contextlib import contextmanager
 
@@ -80,7 +81,9 @@ def test_greedy_methods_are_counted_lossless_with_pooled_stats(target, drafters,
 
 
 def test_a_non_lossless_method_is_reported(target, drafters, prompts):
-    methods = [Method("plain"), Method("broken", drafters["hyperdflash"], context=broken_rollback)]
+    drafter = copy.deepcopy(drafters["hyperdflash"])
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"  # drafts every step, so rollbacks happen
+    methods = [Method("plain"), Method("broken", drafter, context=broken_rollback)]
     results = run_methods(target, methods, prompts, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
     assert results[1].compared == 2 and results[1].lossless < 2
     assert SettingResult(Setting("fixture", 0.0, False), results).not_lossless == ["broken"]
