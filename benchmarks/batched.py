@@ -3,6 +3,7 @@
     python benchmarks/batched.py                          # CPU: fp32, batches 1 2 4 8 16 32, both designs
     python benchmarks/batched.py --device cuda            # a GPU: bf16, the same table
     python benchmarks/batched.py --batch-sizes 4 16 --schedules constant
+    python benchmarks/batched.py --target DIR --drafter-dir DIR      # another pair with the shipped tokenizer
 
 The shipped reference target and drafter on held-out ShareGPT prompts, tokenized with the chat template and
 left-padded per batch; every row generates the same number of tokens (no end-of-sequence stop), greedy. Designs:
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--drafter", choices=list(DRAFTERS), default="hyperdflash")
+    parser.add_argument("--target", help="a target directory in place of the shipped target")
+    parser.add_argument("--drafter-dir", help="a drafter directory in place of the shipped one `--drafter` names")
     parser.add_argument("--schedules", nargs="+", default=[ADAPTIVE_SCHEDULE, CONSTANT_SCHEDULE])
     parser.add_argument("--groups", type=int, help="batches per size (default: 4 on CPU, 6 on CUDA)")
     parser.add_argument("--max-new-tokens", type=int)
@@ -165,15 +168,17 @@ def main(argv: list[str] | None = None) -> dict:
     size = SIZES[args.device] | {name: value for name, value in overrides.items() if value is not None}
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path(), padding_side="left")
-    target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=dtype).to(args.device).eval()
-    drafter = AutoModel.from_pretrained(DRAFTERS[args.drafter], dtype=dtype).to(args.device).eval()
+    target_dir, drafter_dir = args.target or reference.target_path(), args.drafter_dir or DRAFTERS[args.drafter]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(args.device).eval()
+    drafter = AutoModel.from_pretrained(drafter_dir, dtype=dtype).to(args.device).eval()
     generation_config = copy.deepcopy(target.generation_config)
     generation_config.update(
         max_new_tokens=size["max_new_tokens"], do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
     )
     runner = Runner(target, drafter, generation_config)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    report = {"device": device_name, "dtype": str(dtype), "drafter": args.drafter, **size, "rows": []}
+    report = {"device": device_name, "dtype": str(dtype), "target": str(target_dir), "drafter": str(drafter_dir)}
+    report |= {**size, "rows": []}
     columns = ["schedule", "batch", "design", "ratio (95% CI)", "tau", "tau kept (padded)", "row tau (alone)"]
     columns.append("identical")
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")

@@ -261,7 +261,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         super().__init__(max_draft)
         self.costs = costs
         self.calibration = AcceptanceCalibration()
-        self.recent: deque[tuple[float, float]] = deque(maxlen=self.window)  # (tokens, cost) of drafted steps
+        self.recent: deque[tuple[int, float]] = deque(maxlen=self.window)  # (tokens, cost) of drafted steps
         self.wait = 1  # the next wait, once drafting stops paying
         self.steps_to_wait = 0
         self.probing = False  # the next drafted step follows a wait
