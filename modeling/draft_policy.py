@@ -11,11 +11,12 @@ tokens alone, never by the clock, so a seeded call samples the same text every t
   top probability there), through a table the call calibrates as drafts are verified. A sequential drafter (native
   MTP) drafts one more token while that raises the expected rate.
 - Drafting pays while the last `window` drafted steps brought at least `1 - margin` tokens per unit of cost (plain
-  decoding brings 1; a batch's tokens are what its slowest row gained). When they do not, the next steps
+  decoding brings 1; a batch's tokens are what its slowest row gained). When they do not, the next `wait` steps
   decode without the drafter, then one step probes, verifying one draft at least, and joins the window. Each wait is
-  `wait_growth` times the last (to `max_wait`), and long enough that a probe losing what the recent drafted steps
-  lost costs at most `margin` of the wait and the probe together; a probe that pays on its own quarters the wait
-  before it, and a window that pays again resumes drafting with the wait back at 1.
+  `wait_growth` times the last (to `max_wait`); a batch's is also long enough that a probe losing what the recent
+  drafted steps lost costs at most `margin` of the wait and the probe together (a drafted step costs a large batch
+  several plain steps). A probe that pays on its own quarters the wait before it, and a window that pays again
+  resumes drafting with the wait back at 1.
 - What decides whether draft j is verified is known before it is drawn (confidences 1..j, earlier steps), so
   speculative sampling stays exact.
 
@@ -254,12 +255,15 @@ class AdaptiveDraftPolicy(DraftPolicy):
 
     window = 16  # drafted steps that say whether drafting pays
     margin = 0.05  # drafting goes on unless it brings this much less than plain decoding per unit of cost
-    wait_growth = 4  # each wait at least this many times the last: 1, 4, 16, 64 steps
+    wait_growth = 4  # each wait this many times the last: 1, 4, 16, 64 steps (a batch's: at least)
     max_wait = 64  # steps without the drafter between probes, at most
 
-    def __init__(self, max_draft: int, costs: DraftCosts):
+    def __init__(self, max_draft: int, costs: DraftCosts, amortise_probes: bool = False):
+        """`amortise_probes`: size each wait so a losing probe costs at most the margin (a batch's schedule; for one
+        prompt frequent probes find easy stretches sooner, which measured better)."""
         super().__init__(max_draft)
         self.costs = costs
+        self.amortise_probes = amortise_probes
         self.calibration = AcceptanceCalibration()
         self.recent: deque[tuple[int, float]] = deque(maxlen=self.window)  # (tokens, cost) of drafted steps
         self.wait = 1  # the next wait, once drafting stops paying
@@ -342,7 +346,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return
         if probe and self._pays([drafted]):  # the text may have got easier: wait less before the next probe
             self.wait = max(self.wait // 4, 1)
-        self.steps_to_wait, self.probing = max(self.wait, self._amortising_wait()), True
+        amortising = self._amortising_wait() if self.amortise_probes else 1
+        self.steps_to_wait, self.probing = max(self.wait, amortising), True
         self.wait = min(self.wait_growth * self.wait, self.max_wait)
 
     def _amortising_wait(self) -> int:
@@ -420,7 +425,7 @@ class CallSchedule:
             costs = DraftCosts.for_call(target.device.type, drafter)
             if batch[0] > 1:
                 costs = costs.for_batch(*batch)
-            self.policy: DraftPolicy = AdaptiveDraftPolicy(num_draft_tokens, costs)
+            self.policy: DraftPolicy = AdaptiveDraftPolicy(num_draft_tokens, costs, amortise_probes=batch[0] > 1)
         elif name in (HEURISTIC_SCHEDULE, HEURISTIC_TRANSIENT_SCHEDULE):
             self.policy = HeuristicDraftPolicy(_longest_heuristic_draft(drafter, num_draft_tokens), num_draft_tokens)
         else:

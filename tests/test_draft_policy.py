@@ -200,13 +200,22 @@ def test_eval_options_take_the_runtimes_schedules_without_importing_torch():
 
 
 def test_a_drafter_whose_drafts_are_all_rejected_drafts_on_few_steps():
-    """Every drafted step brings one token at more than a plain step's cost: drafting stops at once; each wait is
-    long enough that a probe losing as much keeps the margin over the wait and the probe, and the waits grow to
-    `max_wait`."""
+    """Every drafted step brings one token at more than a plain step's cost: drafting stops at once, and probes
+    come after waits that grow fourfold up to `max_wait`."""
     policy = AdaptiveDraftPolicy(max_draft=7, costs=COSTS)
     verified = _decode(policy, 256, [0.9] * 7, accepted=lambda step, k: 0)
     drafted = [i for i, k in enumerate(verified) if k >= 0]
     assert drafted[0] == 0 and len(drafted) <= 8
+    waits = [later - earlier - 1 for earlier, later in zip(drafted, drafted[1:], strict=False)]
+    assert waits[:4] == [1, 4, 16, 64] and max(waits) == AdaptiveDraftPolicy.max_wait
+
+
+def test_a_batchs_waits_amortise_a_losing_probe():
+    """A batch's schedule: each wait is long enough that a probe losing what the drafted steps lost keeps the
+    margin over the wait and the probe ((W + 1) / (W + 1.79) >= 0.95 here: 15 steps, not 1)."""
+    policy = AdaptiveDraftPolicy(max_draft=7, costs=COSTS, amortise_probes=True)
+    verified = _decode(policy, 256, [0.9] * 7, accepted=lambda step, k: 0)
+    drafted = [i for i, k in enumerate(verified) if k >= 0]
     waits = [later - earlier - 1 for earlier, later in zip(drafted, drafted[1:], strict=False)]
     first_cost = COSTS.step(1, verified[0])  # one token for it
     assert (waits[0] + 1) / (waits[0] + first_cost) >= 1 - AdaptiveDraftPolicy.margin
