@@ -342,8 +342,9 @@ class BatchedSpeculativeLoop:
         shortest run of committed inputs, record scores, and keep the features the drafter needs next."""
         rows, width = self.rows, step.width
         accepted_list, verified_list = accepted.tolist(), verified.tolist()
-        generating = [row for row in range(rows.batch) if not rows.stopped(row)]  # the batch's pace: its slowest
-        slowest = rows.slowest(generating) if generating else None
+        learns = width > 1 or step.drafter_forwards  # the policy learns from every step it drafted or verified for
+        generating = [row for row in range(rows.batch) if not rows.stopped(row)] if learns else []
+        slowest = rows.slowest(generating) if generating else None  # the batch's pace is its slowest row's
         reach = []  # per row: positions of this forward whose inputs (and all before) the row committed
         for row in range(rows.batch):
             if step.fresh(row) and not rows.ended(row):
@@ -375,7 +376,7 @@ class BatchedSpeculativeLoop:
         if width > 1:
             self.stats.accepted_per_step.append(shortest - 1)
             self.stats.proposed_per_step.append(width - 1)
-        if width > 1 or step.drafter_forwards:  # the policy learns from every step it drafted or verified drafts for
+        if learns:
             advanced = shortest if slowest is None else rows.slowest(generating) - slowest
             self.policy.record_batch(self._step_record(step, accepted_list, advanced))
         return new_length, model_kwargs

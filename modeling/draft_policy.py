@@ -346,8 +346,8 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return
         if probe and self._pays([drafted]):  # the text may have got easier: wait less before the next probe
             self.wait = max(self.wait // 4, 1)
-        amortising = self._amortising_wait() if self.amortise_probes else 1
-        self.steps_to_wait, self.probing = max(self.wait, amortising), True
+        self.steps_to_wait = max(self.wait, self._amortising_wait()) if self.amortise_probes else self.wait
+        self.probing = True
         self.wait = min(self.wait_growth * self.wait, self.max_wait)
 
     def _amortising_wait(self) -> int:
