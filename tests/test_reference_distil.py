@@ -4,13 +4,16 @@ import functools
 import json
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.reference import build
 from hf_hyperdflash.reference.distil import (
+    HEAD_SCALE,
     IGNORE_INDEX,
     MAX_REPLY_TOKENS,
+    calibrate_head,
     collate_rows,
     packed_rows,
     reply_example,
@@ -64,6 +67,16 @@ def test_the_loss_is_the_reply_tokens_cross_entropy(target):
     torch.testing.assert_close(reply_losses(target, batch)["lm_loss"], expected, rtol=1e-4, atol=1e-4)
 
 
+def test_calibration_scales_every_logit_and_keeps_greedy_text():
+    model = tiny_deepseek_v4(seed=3).eval()
+    input_ids = torch.randint(3, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        before = model(input_ids=input_ids).logits
+        after = calibrate_head(model, 1.2)(input_ids=input_ids).logits
+    torch.testing.assert_close(after, 1.2 * before, rtol=1e-5, atol=1e-5)
+    assert torch.equal(after.argmax(-1), before.argmax(-1))
+
+
 def test_examples_read_every_reply_and_skip_empty_ones(tmp_path):
     shard = tmp_path / "t0" / "shard_00000.jsonl"
     shard.parent.mkdir()
@@ -97,6 +110,8 @@ def test_the_build_distils_the_language_model_on_the_replies_and_ships_it(tmp_pa
     embeddings = start.get_input_embeddings().weight, distilled.get_input_embeddings().weight
     change = (embeddings[1] - embeddings[0]).norm() / embeddings[0].norm()
     assert 0 < change < 0.5  # it learned from the replies, starting from the language-model stage
+    trained_head = load_file(work / "distil_run" / "checkpoint" / "model.safetensors")["lm_head.weight"]
+    torch.testing.assert_close(distilled.get_output_embeddings().weight, trained_head * HEAD_SCALE)  # calibrated
     shipped = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "out" / "target")  # the distilled target, as bf16
     for name, weight in distilled.state_dict().items():  # each weight rounded once to bf16
         torch.testing.assert_close(shipped.state_dict()[name].float(), weight.bfloat16().float(), rtol=0, atol=0)

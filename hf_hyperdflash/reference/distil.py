@@ -32,6 +32,12 @@ DISTIL_TEMPERATURES = (0.0,)
 DISTIL_LOOP = LoopConfig(
     total_steps=2580, cycle_steps=860, batch_size=4, learning_rate=5e-4, warmup_steps=50, checkpoint_every=100, seed=2
 )
+# Learned from hard labels, the small student stays less sure than its teacher on the same kind of text. Its output
+# head is scaled so that along its own greedy replies it is as confident as the teacher along the teacher's (mean
+# entropy about 1.5 nats); the measured scales are in docs/reference.md, "Calibration". The argmax, and so greedy
+# text, is unchanged up to the bf16 rounding of the shipped head; sampling at T=1 draws from the unscaled student's
+# distribution at T=1/HEAD_SCALE.
+HEAD_SCALE = 1.2
 
 
 def reply_example(tokenizer: PreTrainedTokenizerFast, prompt: str, reply: str, ended: bool) -> Example:
@@ -86,11 +92,18 @@ def reply_losses(model: DeepseekV4ForCausalLM, batch: dict[str, torch.Tensor]) -
     return {"loss": out.loss, "lm_loss": out.loss - model.router_aux_loss_coef * out.aux_loss}
 
 
+@torch.no_grad()
+def calibrate_head(model: DeepseekV4ForCausalLM, scale: float = HEAD_SCALE) -> DeepseekV4ForCausalLM:
+    """Multiply every logit by `scale` (the output head's weight; V4's head has no bias)."""
+    model.get_output_embeddings().weight.mul_(scale)
+    return model
+
+
 def distil_target(
     tokenizer: PreTrainedTokenizerFast, work_dir: Path, teacher_dir: Path, loop: LoopConfig = DISTIL_LOOP
 ) -> Path:
-    """Train `work_dir/target` (the language-model stage) on the teacher's replies into `work_dir/target_distilled`
-    (resumes from `work_dir/distil_run`)."""
+    """Train `work_dir/target` (the language-model stage) on the teacher's replies (resuming from
+    `work_dir/distil_run`), calibrate its head, and save it as `work_dir/target_distilled`."""
     final = work_dir / "target_distilled"
     if (final / "config.json").exists():
         return final
@@ -101,5 +114,5 @@ def distil_target(
     title = "target on teacher replies"
     model = run_training(model, rows, collate_rows, reply_losses, run_dir, loop, description=title)
     plot_curves({title: run_dir / "log.jsonl"}, run_dir / "loss.png", title=title)
-    model.save_pretrained(final)
+    calibrate_head(model).save_pretrained(final)
     return final
