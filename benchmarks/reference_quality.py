@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.reference.build import render_for_training
+from hf_hyperdflash.reference.distil import calibrate_head
 from hf_hyperdflash.reference.teacher import load_teacher
 from hf_hyperdflash.sharegpt import load_conversations
 
@@ -158,11 +159,11 @@ def main() -> None:
     print(f"plain greedy decoding speed: {speed:.1f} tokens/s (median, {args.threads} threads)")
     for n, (prompt, reply) in enumerate(samples[: args.examples], 1):
         print(f"\ngreedy reply {n} of {args.examples}\nprompt: {prompt}\nreply: {reply}")
-    head = model.get_output_embeddings().weight
-    loaded = head.detach().clone()
+    loaded = model.get_output_embeddings().weight.detach().clone()
     for scale in args.head_scales:
         with torch.no_grad():
-            head.copy_(loaded * scale)
+            model.get_output_embeddings().weight.copy_(loaded)
+        calibrate_head(model, scale)
         ppl = perplexities(model, tokenizer, unigram, args.conversations, args.tokens_per_conversation)[0]
         sampled, greedy = (confidence(model, tokenizer, args.prompts, args.reply_tokens, s) for s in (True, False))
         print(
