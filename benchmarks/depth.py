@@ -21,7 +21,7 @@ On the 4-layer reference target vanilla DFlash conditions on a layer two below t
   MoE, hc_mult 4, the attention and MoE sizes in the reference's proportion to the hidden size; 7.3M parameters,
   14.0 MiB in bf16, so one file comes back and the next run can carry it. One cosine cycle of as many steps as fit
   `--target-seconds` (timed on a few forward-backward passes first). Its held-out perplexity is measured beside
-  the shipped 4-layer target's (74.9) on the same tokens.
+  the shipped 4-layer target's on the same tokens.
 - replies: the target's own greedy replies to the 1,600 prompts (up to 128 tokens), as `hyperdflash train` makes
   them, 256 prompts per batch instead of 16 (left padding differs, which V4's compressors see, as in the recipe).
 - drafters: `hyperdflash train --config configs/reference_drafter_<kind>.json` on this target and those replies
@@ -45,10 +45,10 @@ DSpark drafter, added after it, makes the tree 41 MB, so run 2 now needs the tar
 instance re-trained in the same call as the drafters, which the 15-minute lease does not hold).
 
 Time: this target is bound by kernel launches on an H200 (about 10,000 operations per forward), not by arithmetic,
-so `--side-by-side` trains the drafters at once, one process each. Measured there (docs/results.md, "Depth"): the
-target 146 s at --target-seconds 135; the three drafters side by side 313-448 s for the recipe's 2,000 steps. A lease
-is 15 minutes with the machine's start, so the replies run on CPU and `--deadline` drops DSpark if the step rates
-project past it. Decoding is no faster there than on 2 CPU cores, so the evaluation runs on CPU.
+so `--side-by-side` trains the drafters at once, one process each. Measured there (docs/results.md, "Deeper
+targets"): the target 146 s at --target-seconds 135; the three drafters side by side 313-448 s for the recipe's 2,000
+steps. A lease is 15 minutes with the machine's start, so the replies run on CPU and `--deadline` drops DSpark if the
+step rates project past it. Decoding is no faster there than on 2 CPU cores, so the evaluation runs on CPU.
 """
 
 from __future__ import annotations

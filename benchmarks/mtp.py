@@ -3,7 +3,8 @@
 python benchmarks/mtp.py [--prompts 20] [--max-new-tokens 128] [--depths 1 2 3] [--output-dir runs/benchmarks/mtp]
 
 A preset of `hyperdflash eval` (hf_hyperdflash.evaluation.command): plain decoding against native MTP only, greedy,
-non-thinking chat, held-out ShareGPT prompts. Exits with status 1 if an output differs from plain decoding.
+non-thinking chat, held-out ShareGPT prompts, every step drafting k tokens (the constant schedule). Exits with status 1
+if an output differs from plain decoding.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main() -> int:
     return command.main(
         [
             "--no-reference-drafters",
+            "--dspark", "none",
+            "--schedules", "constant",
             "--mtp-steps", *map(str, args.depths),
             "--datasets", "sharegpt",
             "--num-prompts", str(args.prompts),

@@ -62,7 +62,7 @@ ABLATED = {  # what each ablation config changes in configs/ablations/hyperdflas
     "dspark_block5": {"drafter_kind", "recipe", "block_size", "total_steps"},
     "dspark_pre_collapse": {"drafter_kind", "recipe", "conditioning", "total_steps"},
     "hyperdflash_heads": {"markov_rank", "total_steps"},
-    # the best-drafter ablations (docs/results.md, "The best drafter"), at 2,000 steps
+    # the best-drafter ablations (docs/results.md, "On the previous reference pair"), at 2,000 steps
     "heads_markov_only": {"markov_rank", "confidence_weight", "total_steps"},
     "heads_confidence_only": {"markov_rank", "markov_bias", "total_steps"},
     "l1": {"l1_weight", "total_steps"},

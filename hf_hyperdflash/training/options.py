@@ -37,7 +37,8 @@ DRAFTER_KINDS = {  # kind -> (reducer, conditioning)
 DSPARK = "dspark"  # DeepSeek's block drafter (DeepseekV4DSparkForDrafting), a kind of its own
 
 # What a HyperDFlash or vanilla DFlash drafter trains with where the options themselves are left out (--recipe).
-# "hybrid", HyperDFlash's default, is the best recipe measured against DSpark (docs/results.md, "The best drafter"):
+# "hybrid", HyperDFlash's default, is the best recipe measured against DSpark (docs/results.md, "On the previous
+# reference pair"):
 # DSpark's Markov and confidence heads (`heads`: rank hidden size / 16, set once the target is loaded), the
 # acceptance-aligned L1 term weighted 4, and greedy and T=1 replies, the greedy ones seen six times per epoch.
 # "paper", vanilla DFlash's default, trains as the paper does: CE and KL on greedy replies, no heads.
