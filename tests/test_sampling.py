@@ -43,8 +43,8 @@ VOCAB = 8
 NEW_TOKENS = 4
 # The sliding window (8) fills up inside the first verify step, so rejections rewind past its truncation.
 PROMPT = torch.tensor([[3, 4, 5, 6, 7, 3]])
-# 1,000 samples per case (4 seeds x 250): each is a whole generate() call (~25 ms of CPU on an idle core). At this
-# size the negative control below still rejects its subtly wrong sampler with p ~ 1e-5, far below ALPHA.
+# 1,000 samples per case (4 seeds x 250): each is a whole generate() call. The size is what the negative control
+# below (a subtly wrong sampler) needs to fail far below ALPHA.
 SEEDS = (0, 1, 2, 3)
 SAMPLES_PER_SEED = 250
 ALPHA = 1e-3  # deterministic seeds; a correct sampler sits far above this, a wrong one far below
