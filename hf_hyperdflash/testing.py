@@ -348,11 +348,10 @@ class OracleProposer:
         return random_token if corrupt else int(self.reference[row, position])
 
     def propose(
-        self, features, positions, input_ids, num_tokens, pick, schedule, context_mask=None, rows=None,
-        anchor_positions=None,
+        self, features, positions, input_ids, num_tokens, pick, schedule, context_mask=None, anchor_positions=None
     ):
         """A draft for every row of `input_ids` (a batch: `reference` holds a row per row, in the same columns)."""
-        from .modeling.candidate_generator import Draft, _pick_sequentially, batch_confidence, row_confidences
+        from .modeling.candidate_generator import Draft, _pick_sequentially, draft_confidences
 
         batch, start = input_ids.shape
         if anchor_positions is None:
@@ -364,8 +363,7 @@ class OracleProposer:
         probs = torch.full((batch, num_tokens, self.vocab_size), 0.3 / self.vocab_size)
         probs.scatter_add_(-1, hints[..., None], torch.full((batch, num_tokens, 1), 0.7))
         tokens, logits = _pick_sequentially(input_ids, probs.log().to(input_ids.device), pick)
-        confidences = row_confidences(logits)
-        return Draft(tokens, logits, batch_confidence(confidences, rows), 1, confidences)
+        return Draft(tokens, logits, draft_confidences(logits), 1)
 
 
 @contextmanager

@@ -2,8 +2,10 @@
 rank 0's (`RankAgreement.decide`).
 
 - Drafts: every rank drafts; rank 0's drafts and their length replace the others' before the verify forward (one
-  collective; with it every rank's view of the sequence, so ranks that parted raise). A greedy step needs nothing
-  more: its verdict is a function of the target's logits, which a tensor-parallel reduction hands every rank alike.
+  collective; with it a digest of every rank's tokens, so ranks that parted raise, and for this package's drafters
+  what rank 0's schedule learns from the step, so every rank's schedule and stats stay rank 0's). A greedy step needs
+  nothing more: its verdict is a function of the target's logits, which a tensor-parallel reduction hands every
+  rank alike. After the last step the ranks compare their sequences once more (`agree_on_sequences`).
 - Sampling verdict: rank 0 runs transformers' `_speculative_sampling` and every rank keeps its accepted tokens and
   bonus token (a second collective). Steps without drafts and drafts without drafter logits (prompt lookup) go the
   same way, with transformers' own rule for them, so no rank samples a token on its own.
@@ -16,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from .rank_agreement import RankAgreement, sequence_state
+from .rank_agreement import RankAgreement, TokenDigest
 
 
 def packed(head: int, tokens: torch.LongTensor, size: int) -> torch.LongTensor:
@@ -26,11 +28,27 @@ def packed(head: int, tokens: torch.LongTensor, size: int) -> torch.LongTensor:
     return torch.cat([torch.tensor([head]), tokens.cpu().long(), torch.full((size - 1 - tokens.numel(),), -1)])
 
 
+def _floats_packed(values: list[float], size: int) -> torch.LongTensor:
+    """`values` (at most `size`), their count first, as the int64 bits of float64s padded to `size`."""
+    floats = torch.zeros(size, dtype=torch.float64)
+    floats[: len(values)] = torch.tensor(values, dtype=torch.float64)
+    return torch.cat([torch.tensor([len(values)]), floats.view(torch.int64)])
+
+
+def _floats_unpacked(packet: torch.LongTensor) -> list[float]:
+    return packet[1:].contiguous().view(torch.float64)[: int(packet[0])].tolist()
+
+
 def agree_on_drafts(generator, agreement: RankAgreement, most: int, sampling: bool) -> None:
     """Every rank's `generator.get_candidates` returns rank 0's drafts (at most `most`). When sampling, the drafter
     logits are never None, so transformers hands every step to `_speculative_sampling` (`rank_zero_verdict`): a rank
-    whose drafts were replaced, or a step with none, gets logits with no vocabulary (rank 0 never reads them there)."""
+    whose drafts were replaced, or a step with none, gets logits with no vocabulary (rank 0 never reads them there).
+    This package's generator also takes rank 0's step as its schedule learns from it (confidences, drafted token
+    probabilities, drafter forwards)."""
     get_candidates = generator.get_candidates
+    learns = hasattr(generator, "confidences")  # a stock generator (prompt lookup) keeps no schedule of its own
+    size = 1 + most + (1 + 2 * (1 + most) if learns else 0)
+    digest, hashed = TokenDigest(), [0]
 
     def candidates(input_ids: torch.LongTensor, *args, **kwargs):
         local: list = []
@@ -39,10 +57,25 @@ def agree_on_drafts(generator, agreement: RankAgreement, most: int, sampling: bo
             ids, logits = get_candidates(input_ids, *args, **kwargs)
             local[:] = [ids, logits]
             drafts = ids[0, input_ids.shape[1] :]
-            return packed(drafts.numel(), drafts, 1 + most)
+            head = packed(drafts.numel(), drafts, 1 + most)
+            if not learns:
+                return head
+            step = [
+                torch.tensor([generator.drafter_forwards]),
+                _floats_packed(generator.confidences, most),
+                _floats_packed(generator.token_probabilities, most),
+            ]
+            return torch.cat([head, *step])
 
-        decision = agreement.decide("Drafting", drafted, 1 + most, state=sequence_state(input_ids))
+        digest.add([input_ids[0, hashed[0] :].tolist()])
+        hashed[0] = input_ids.shape[1]
+        decision = agreement.decide("Drafting", drafted, size, state=digest.state([input_ids.shape[1]]))
         count = int(decision[0])
+        if learns:
+            rest = decision[1 + most :]
+            generator.drafter_forwards, generator.last_proposed = int(rest[0]), count
+            generator.confidences = _floats_unpacked(rest[1 : 2 + most])
+            generator.token_probabilities = _floats_unpacked(rest[2 + most :])
         drafts = decision[1 : 1 + count].to(input_ids.device)
         ids, logits = local
         if not torch.equal(ids[0, input_ids.shape[1] :], drafts):
@@ -79,3 +112,11 @@ def rank_zero_verdict(agreement: RankAgreement, most: int) -> Callable:
         return decision[1 : 2 + count][None].to(new_logits.device), torch.tensor(count, device=new_logits.device)
 
     return verify
+
+
+def agree_on_sequences(agreement: RankAgreement, sequences: torch.LongTensor) -> None:
+    """After a call's last step: every rank returns the same sequences (else every rank raises)."""
+    digest = TokenDigest()
+    digest.add(sequences.tolist())
+    state = digest.state(list(sequences.shape))
+    agreement.decide("Finishing", lambda: torch.zeros(0, dtype=torch.long), 0, state=state)

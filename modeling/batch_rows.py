@@ -8,9 +8,9 @@ Invariants (`batched_decoding.py` relies on them):
 - The stopping criteria see the batch as plain decoding shows it to them: once per length, in order, each time with
   every row holding that many columns and their scores (`checked`).
 - A row that stopped while the generation has an end-of-sequence id holds padding from its stop on, as plain decoding
-  pads it; it is committed as far as the batch goes (`ended`), so it never holds the batch back.
-- `scores[r]` / `raw_logits[r]` hold, per new column in order, what the target gave for it from a forward whose
-  inputs up to it were the row's committed tokens.
+  pads it; it holds every column then (`ended`, `committed` the whole width), so it never holds the batch back.
+- `scores` / `raw_logits` hold, per new column in order, what the target gave each row for it from a forward whose
+  inputs up to it were the row's committed tokens (`ColumnRecord`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,36 @@ from collections.abc import Callable
 
 import torch
 
-ENDED = 1 << 40  # the committed length of a row padded from its stop on
+
+class ColumnRecord:
+    """Per new column, every row's entry ([V] scores or logits), as plain decoding returns them: rows add theirs in
+    order, each at its own pace; a column is stacked into one [B, V] tensor once, when first read, and its rows'
+    entries (views of their steps' logits) are let go then."""
+
+    def __init__(self, batch: int):
+        self.rows: list[list[torch.Tensor]] = [[] for _ in range(batch)]  # per row: entries not stacked yet
+        self.columns: list[torch.Tensor] = []  # stacked columns, in order
+
+    def held(self, row: int) -> int:
+        return len(self.columns) + len(self.rows[row])
+
+    def add(self, row: int, entries: torch.Tensor) -> None:
+        self.rows[row].extend(entries.unbind(0))
+
+    def drop_from(self, row: int, column: int) -> None:
+        """Forget the row's entries from new column `column` on (never one already stacked)."""
+        if column < len(self.columns):
+            raise RuntimeError(f"Column {column} was already shown to the stopping criteria; it cannot be dropped.")
+        del self.rows[row][column - len(self.columns) :]
+
+    def up_to(self, count: int) -> tuple[torch.Tensor, ...]:
+        """The first `count` columns, stacked (every row must hold them)."""
+        missing = count - len(self.columns)
+        if missing > 0:
+            self.columns += [torch.stack(column) for column in zip(*(row[:missing] for row in self.rows), strict=True)]
+            for row in self.rows:
+                del row[:missing]
+        return tuple(self.columns[:count])
 
 
 class BatchRows:
@@ -30,18 +59,19 @@ class BatchRows:
         self.pad_id, self.has_eos = pad_id, has_eos
         self.keep_scores, self.keep_logits = keep
         self.committed = [self.prompt_width] * batch
+        self.padded = [False] * batch  # rows stopped and padded from their stop on
         self.checked = self.prompt_width  # lengths the criteria have seen
         self.stopped_at: list[int | None] = [None] * batch  # the length at which the criteria stopped each row
         self.history: list[list[int]] = []  # every row's committed length after each verify step
-        self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-        self.raw_logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        self.scores, self.raw_logits = ColumnRecord(batch), ColumnRecord(batch)
 
     @property
     def batch(self) -> int:
         return len(self.committed)
 
     def ended(self, row: int) -> bool:
-        return self.committed[row] >= ENDED
+        """The row stopped and holds padding in every column past its stop."""
+        return self.padded[row]
 
     def stopped(self, row: int) -> bool:
         return self.stopped_at[row] is not None
@@ -66,14 +96,21 @@ class BatchRows:
         """The shortest length among `rows`, a stopped row's counted where it stopped."""
         return min(self.stopped_at[row] if self.stopped(row) else self.committed[row] for row in rows)
 
-    def ahead(self, cache_length: int) -> list[int]:
-        """Per row: its committed tokens not in the cache (the newest included)."""
+    def uncached(self, cache_length: int) -> list[int]:
+        """Per row: its committed columns past the cache, the newest included (1: only its anchor)."""
         return [committed - cache_length for committed in self.committed]
 
-    def commit(self, row: int, tokens: list[int]) -> None:
-        start = self.committed[row]
-        self.ids[row, start : start + len(tokens)] = torch.tensor(tokens, device=self.ids.device)
-        self.committed[row] += len(tokens)
+    def commit(self, tokens: torch.LongTensor, counts: list[int]) -> None:
+        """Append each row's first `counts[r]` of `tokens` [B, n] to what it committed (one indexed write)."""
+        rows = [row for row, count in enumerate(counts) for _ in range(count)]
+        if not rows:
+            return
+        steps = [step for count in counts for step in range(count)]
+        columns = [self.committed[row] + step for row, step in zip(rows, steps, strict=True)]
+        index = torch.tensor([rows, steps, columns], device=self.ids.device)
+        self.ids[index[0], index[2]] = tokens[index[0], index[1]].to(self.ids.device)
+        for row, count in enumerate(counts):
+            self.committed[row] += count
 
     def check(self, criteria: Callable, scores_so_far: Callable[[int], tuple | None]) -> dict[int, int]:
         """Show the criteria every length that all rows not padded now hold (with their scores), while a row still
@@ -105,29 +142,26 @@ class BatchRows:
         self.stopped_at[row] = length
         if self.has_eos:
             self.ids[row, length:] = self.pad_id
-            self.committed[row] = ENDED
+            self.committed[row], self.padded[row] = self.ids.shape[1], True
             kept = length + 1 - self.prompt_width  # the column after the stop scores the stop token
-            del self.scores[row][kept:], self.raw_logits[row][kept:]
+            self.scores.drop_from(row, kept)
+            self.raw_logits.drop_from(row, kept)
 
     def record(self, row: int, processed: torch.Tensor, logits: torch.Tensor) -> None:
         """Scores (and raw logits) of the row's next new columns, in order."""
         if self.keep_scores:
-            self.scores[row].extend(processed.unbind(0))
+            self.scores.add(row, processed)
         if self.keep_logits:
-            self.raw_logits[row].extend(logits.unbind(0))
+            self.raw_logits.add(row, logits)
 
     def recorded(self, row: int) -> int:
         """The last column whose score the row holds (what it keeps of scores and raw logits, both alike)."""
-        entries = self.scores[row] if self.keep_scores else self.raw_logits[row]
-        return self.prompt_width - 1 + len(entries)
+        record = self.scores if self.keep_scores else self.raw_logits
+        return self.prompt_width - 1 + record.held(row)
 
     def scores_up_to(self, length: int) -> tuple[torch.Tensor, ...] | None:
         """The batch's scores of the new columns before `length`, as plain decoding shows them to the criteria."""
-        return self.stacked(self.scores, length) if self.keep_scores else None
-
-    def stacked(self, per_row: list[list[torch.Tensor]], length: int) -> tuple[torch.Tensor, ...]:
-        """Per new column before `length`: every row's entry, stacked as plain decoding returns them."""
-        return tuple(torch.stack([entries[j] for entries in per_row]) for j in range(length - self.prompt_width))
+        return self.scores.up_to(length - self.prompt_width) if self.keep_scores else None
 
     def sequences(self, length: int) -> torch.LongTensor:
         return self.ids[:, :length].clone()

@@ -1,9 +1,9 @@
 """Drafting for a batch whose rows have committed different numbers of tokens (`batched_decoding.py`).
 
 Each row drafts from its own anchor, the newest token it committed, with the target features of every position before
-it as context. Block drafters draft every row in one forward; native MTP and DSpark, whose modules take no padding
-mask, row by row. `BatchDrafts` holds each row's drafts until the row commits again, and decides the step's verify
-width for the batch (`BatchDrafts.cut`).
+it as context. A proposer that takes a padding mask drafts every row in one forward (block drafters); native MTP and
+DSpark, whose modules take none, draft row by row, one proposer per row. `BatchDrafts` holds each row's drafts until
+the row commits again, and decides the step's verify width for the batch (`BatchDrafts.cut`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
+from transformers.generation import logits_process
 
-from .candidate_generator import BlockProposer, TokenPicker, make_proposer
-from .draft_options import BLOCK_DRAFTER_TYPE
+from .candidate_generator import BlockProposer, Draft, Proposer, StepSchedule, TokenPicker, make_proposer
 from .draft_policy import DraftPolicy
 from .target_base import HyperConnectionTarget
 
@@ -23,17 +23,17 @@ from .target_base import HyperConnectionTarget
 class DraftRequest:
     """What the drafters get: target features for columns [first_column, first_column + n) [B, n, ..], each row's
     anchor column (its newest committed token; its features are valid before it), the committed tokens, the rows to
-    draft for and how many drafts each may use, and the cache length the target rolls back to after this step."""
+    draft for and how many drafts each may propose, and the cache length the target rolls back to after this step."""
 
     features: torch.Tensor
     first_column: int
     anchors: list[int]
     ids: torch.LongTensor  # [B, columns]: each row's committed tokens, padding after them
     drafting: list[bool]
-    num_tokens: list[int]
+    num_tokens: int
     cache_length: int
     pick: TokenPicker
-    schedule: BatchSchedule
+    schedule: StepSchedule
     pad_id: int
 
 
@@ -49,27 +49,13 @@ class RowDrafts:
     drafter_forwards: int
 
 
-class BatchSchedule:
-    """The proposers' view of the call's draft policy for a batch. A block is drawn whole: how much of it is verified
-    is decided for the batch afterwards, from every row's confidences (`BatchDrafts.cut`); a drafter that spends a
-    forward per token asks the policy with its own row's confidences."""
-
-    def __init__(self, policy: DraftPolicy):
-        self.policy = policy
-
-    def verifies(self, confidences: list[float]) -> bool:
-        return True
-
-    def keep_drafting(self, confidences: list[float], probabilities: list[float]) -> bool:
-        return self.policy.keep_drafting(confidences)
-
-
-def right_aligned(ids: torch.LongTensor, lengths: list[int], pad_id: int) -> torch.LongTensor:
-    """Each row's first `lengths[r]` tokens, right-aligned in one tensor (padding in front): every row's anchor is
-    then the last column, as a proposer expects."""
-    width = max(lengths)
-    shift = torch.tensor(lengths, device=ids.device)[:, None] - width
-    columns = torch.arange(width, device=ids.device)[None] + shift  # negative: in front of the row
+def right_aligned(ids: torch.LongTensor, lengths: torch.LongTensor, pad_id: int) -> torch.LongTensor:
+    """Each row's first `lengths[r]` tokens ([B] on the ids' device), right-aligned in one tensor (padding in front):
+    every row's anchor is then the last column, as a proposer expects."""
+    width = int(lengths.max())
+    columns = torch.arange(width, device=ids.device)[None] + (
+        lengths[:, None] - width
+    )  # negative: in front of the row
     aligned = ids.gather(1, columns.clamp(min=0))
     return aligned.masked_fill(columns < 0, pad_id)
 
@@ -80,14 +66,13 @@ class BlockDrafting:
     for this forward only (masked per row), and they leave the drafter's cache with it, to come back from the verify
     forward that feeds them again."""
 
-    row_by_row = False
-
-    def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget, padding: list[int]):
-        self.proposer = BlockProposer(drafter, target)
-        if drafter.config.context_window is not None:  # a windowed cache rolls back only while recording its past
+    def __init__(self, proposer: BlockProposer, padding: list[int]):
+        self.proposer = proposer
+        if proposer.drafter.config.context_window is not None:  # a windowed cache rolls back only while recording
             self.proposer.cache.activate_past_recording()
         self.padding = padding
         self.context_start: int | None = None  # column of the first position the drafter saw
+        self._padding_tensor: torch.LongTensor | None = None
 
     @property
     def feature_layers(self) -> list[int] | None:
@@ -99,40 +84,76 @@ class BlockDrafting:
     def propose(self, step: DraftRequest) -> RowDrafts:
         if self.context_start is None:
             self.context_start = step.first_column
+        device = step.ids.device
+        if self._padding_tensor is None:  # the call's padding is fixed: moved to the device once
+            self._padding_tensor = torch.tensor(self.padding, device=device)
+        padding = self._padding_tensor
         end = step.first_column + step.features.shape[1]
-        padding = torch.tensor(self.padding, device=step.ids.device)
-        columns = torch.arange(self.context_start, end, device=step.ids.device)
-        anchors = torch.tensor(step.anchors, device=step.ids.device)
+        columns = torch.arange(self.context_start, end, device=device)
+        anchors = torch.tensor(step.anchors, device=device)
         context_mask = (columns[None] >= padding[:, None]) & (columns[None] < anchors[:, None])
         positions = (columns[None, -step.features.shape[1] :] - padding[:, None]).clamp(min=0)
-        lengths = [anchor + 1 for anchor in step.anchors]
         draft = self.proposer.propose(
             step.features,
             positions,
-            right_aligned(step.ids, lengths, step.pad_id),
-            max(step.num_tokens),
+            right_aligned(step.ids, anchors + 1, step.pad_id),
+            step.num_tokens,
             step.pick,
             step.schedule,
             context_mask=context_mask,
-            rows=torch.tensor(step.drafting, device=step.ids.device),
             anchor_positions=(anchors - padding)[:, None],
         )
         if end > step.cache_length and self.proposer.cache.get_seq_length():  # (a stand-in proposer caches nothing)
             self.proposer.cache.crop(step.cache_length - end)
         k = draft.tokens.shape[1]
-        lengths = [min(k, n) if drafts else 0 for drafts, n in zip(step.drafting, step.num_tokens, strict=True)]
-        return RowDrafts(draft.tokens, draft.logits, lengths, draft.row_confidences, draft.drafter_forwards)
+        lengths = [k if drafts else 0 for drafts in step.drafting]
+        return RowDrafts(draft.tokens, draft.logits, lengths, draft.confidences, draft.drafter_forwards)
+
+
+# Processors whose output for a row depends only on that row's tokens and scores (and the batch's width): a row
+# drafted alone may be processed alone. Any other processor sees the whole batch, with the row in its place.
+ROW_LOCAL_PROCESSORS = tuple(
+    getattr(logits_process, name)
+    for name in (
+        "MinLengthLogitsProcessor",
+        "MinNewTokensLengthLogitsProcessor",
+        "TemperatureLogitsWarper",
+        "RepetitionPenaltyLogitsProcessor",
+        "TopPLogitsWarper",
+        "TopKLogitsWarper",
+        "MinPLogitsWarper",
+        "TypicalLogitsWarper",
+        "EpsilonLogitsWarper",
+        "EtaLogitsWarper",
+        "NoRepeatNGramLogitsProcessor",
+        "SequenceBiasLogitsProcessor",
+        "ForcedBOSTokenLogitsProcessor",
+        "ForcedEOSTokenLogitsProcessor",
+        "InfNanRemoveLogitsProcessor",
+        "ExponentialDecayLengthPenalty",
+        "LogitNormalization",
+        "SuppressTokensAtBeginLogitsProcessor",
+        "SuppressTokensLogitsProcessor",
+    )
+)
 
 
 class RowPick:
-    """The call's token picker for one row drafted alone. Logits processors may keep state per row (a prompt length
-    per row), so they see the whole batch, with this row's padded prefix in its place; the row's token and processed
-    logits come back."""
+    """The call's token picker for one row drafted alone, seeing the row's padded prefix (its width as in the
+    batch). Processors that may keep state per row (a prompt length per row, a constraint function of the row's
+    index) see the whole batch with this row's prefix in its place; the row's token and processed logits come back.
+    With row-local processors only (`ROW_LOCAL_PROCESSORS`) the row is processed alone, so drafting a batch row by
+    row costs linear, not quadratic, work in its rows."""
 
     def __init__(self, pick: TokenPicker, batch_ids: torch.LongTensor, row: int, padding: int):
         self.pick, self.batch_ids, self.row, self.padding = pick, batch_ids, row, padding
+        self.alone = all(isinstance(processor, ROW_LOCAL_PROCESSORS) for processor in pick.logits_processor or [])
 
     def __call__(self, prefix_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
+        if self.alone:
+            return self.pick(
+                torch.cat([self.batch_ids[self.row : self.row + 1, : self.padding], prefix_ids], 1), logits
+            )
         batch, width = self.batch_ids.shape[0], self.padding + prefix_ids.shape[1]
         ids = self.batch_ids.new_zeros(batch, width)
         ids[:, : min(width, self.batch_ids.shape[1])] = self.batch_ids[:, :width]
@@ -144,17 +165,14 @@ class RowPick:
 
 
 class RowByRowDrafting:
-    """Native MTP and DSpark, whose drafters take no padding mask: one proposer per row, fed that row's context
-    without its padding, at its own positions. Each proposer sees each position once (`seen[row]`: the columns it
-    has), so a row ahead keeps what it saw."""
+    """Proposers that take no padding mask (native MTP, DSpark): one per row, fed that row's context without its
+    padding, at its own positions. Each proposer sees each position once (`seen[row]`: the columns it has), so a row
+    ahead keeps what it saw."""
 
-    row_by_row = True
-
-    def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget, padding: list[int], max_draft: int):
-        self.proposers = [make_proposer(drafter, target, max_draft) for _ in padding]
-        self.padding = padding
+    def __init__(self, proposers: list[Proposer], padding: list[int]):
+        self.proposers, self.padding = proposers, padding
         self.seen: list[int | None] = [None] * len(padding)
-        self.feature_layers = self.proposers[0].feature_layers
+        self.feature_layers = proposers[0].feature_layers
 
     def first_needed_column(self, cache_length: int) -> int:
         return min([cache_length] + [seen for seen in self.seen if seen is not None])
@@ -169,68 +187,83 @@ class RowByRowDrafting:
                 step.features[row : row + 1, start:end],
                 positions,
                 step.ids[row : row + 1, self.padding[row] : step.anchors[row] + 1],
-                step.num_tokens[row],
+                step.num_tokens,
                 RowPick(step.pick, step.ids, row, self.padding[row]),
                 step.schedule,
             )
             self.seen[row] = step.anchors[row]
         k = max(draft.tokens.shape[1] for draft in drafts.values())
-        vocab = next(iter(drafts.values())).logits.shape[-1]
-        batch, device = step.ids.shape[0], step.ids.device
-        tokens = step.ids.new_full((batch, k), step.pad_id)
-        logits = torch.zeros(batch, k, vocab, device=device)
-        confidences = torch.zeros(batch, k)
-        lengths = [0] * batch
-        for row, draft in drafts.items():
-            n = lengths[row] = draft.tokens.shape[1]
-            tokens[row, :n], logits[row, :n] = draft.tokens[0], draft.logits[0]
-            confidences[row, :n] = draft.row_confidences[0].cpu()
+        lengths = [drafts[row].tokens.shape[1] if row in drafts else 0 for row in range(len(step.drafting))]
+        first = next(iter(drafts.values()))
+        empty = Draft(
+            step.ids.new_full((1, k), step.pad_id),
+            first.logits.new_zeros(1, k, first.logits.shape[-1]),
+            first.confidences.new_zeros(1, k),
+            0,
+        )
+        rows = [drafts.get(row, empty) for row in range(len(step.drafting))]
+
+        def stacked(field: str, fill: float) -> torch.Tensor:
+            return torch.cat([_padded_to(getattr(draft, field), k, fill) for draft in rows])
+
         forwards = max(draft.drafter_forwards for draft in drafts.values())
-        return RowDrafts(tokens, logits, lengths, confidences, forwards)
+        return RowDrafts(
+            stacked("tokens", step.pad_id), stacked("logits", 0.0), lengths, stacked("confidences", 0.0), forwards
+        )
 
 
-def drafts_row_by_row(drafter: PreTrainedModel) -> bool:
-    """Native MTP and DSpark draft a batch row by row; block drafters all rows in one forward."""
-    return drafter.config.model_type != BLOCK_DRAFTER_TYPE
+def _padded_to(tensor: torch.Tensor, k: int, fill: float) -> torch.Tensor:
+    """`tensor` [1, n, ...] with `fill` after its n entries along dim 1, to k."""
+    missing = k - tensor.shape[1]
+    if not missing:
+        return tensor
+    return torch.cat([tensor, tensor.new_full((1, missing, *tensor.shape[2:]), fill)], dim=1)
 
 
 def make_drafting(
     drafter: PreTrainedModel, target: HyperConnectionTarget, padding: list[int], max_draft: int
 ) -> BlockDrafting | RowByRowDrafting:
-    if not drafts_row_by_row(drafter):
-        return BlockDrafting(drafter, target, padding)
-    return RowByRowDrafting(drafter, target, padding, max_draft)
+    """The batch's drafting: every row in one forward where the drafter's proposer takes a padding mask, else one
+    proposer per row."""
+    proposer = make_proposer(drafter, target, max_draft)
+    if proposer.drafts_rows_together:
+        return BlockDrafting(proposer, padding)
+    return RowByRowDrafting([proposer, *(make_proposer(drafter, target, max_draft) for _ in padding[1:])], padding)
 
 
 class BatchDrafts:
     """Every row's latest drafts, kept until the row commits new tokens (its anchor moves), and the step's width.
 
-    A row's drafts follow its uncached committed tokens in the verify forward: with `ahead[r]` of those, draft j sits
-    at width position `ahead[r] + j`. The policy chooses the width from every row's confidences
+    A row's drafts follow its uncached committed tokens in the verify forward: with `uncached[r]` of those, draft j
+    sits at width position `uncached[r] + j`. The policy chooses the width from every row's confidences
     (`DraftPolicy.choose_width`): whole blocks for every row, or the adaptive schedule's best expected rate of new
-    tokens per row."""
+    tokens per row. Drafter logits (q) are kept only when the call samples: greedy verification needs the tokens."""
 
-    def __init__(self, batch: int, max_draft: int, device: torch.device, pad_id: int):
+    def __init__(self, batch: int, max_draft: int, device: torch.device, pad_id: int, keeps_logits: bool):
         self.tokens = torch.full((batch, max_draft), pad_id, dtype=torch.long, device=device)
+        self.confidences = torch.zeros(batch, max_draft, device=device)
         self.logits: torch.Tensor | None = None
+        self.keeps_logits = keeps_logits
         self.lengths = [0] * batch
-        self.confidences = torch.zeros(batch, max_draft)
         self.anchors: list[int | None] = [None] * batch  # the anchor column each row's drafts follow
-        self.row_confidences: list[list[float]] = []  # what the last cut saw
+        self.cut_confidences: list[list[float]] = []  # per row, the confidences the last cut saw
 
     def stale(self, row: int, anchor: int) -> bool:
         return self.anchors[row] != anchor
 
     def store(self, drafts: RowDrafts, anchors: list[int]) -> None:
-        if self.logits is None:
-            self.logits = torch.zeros(*self.tokens.shape, drafts.logits.shape[-1], device=drafts.logits.device)
-        for row, length in enumerate(drafts.lengths):
-            if length:
-                n = min(length, self.tokens.shape[1])
-                self.tokens[row, :n] = drafts.tokens[row, :n]
-                self.logits[row, :n] = drafts.logits[row, :n]
-                self.confidences[row, :n] = drafts.confidences[row, :n].float().cpu()
-                self.lengths[row], self.anchors[row] = n, anchors[row]
+        """Keep the new drafts of the rows that drafted (one indexed copy for the batch)."""
+        rows = [row for row, length in enumerate(drafts.lengths) if length]
+        k = min(drafts.tokens.shape[1], self.tokens.shape[1])
+        index = torch.tensor(rows, device=self.tokens.device)
+        self.tokens[index, :k] = drafts.tokens[index, :k].to(self.tokens.device)
+        self.confidences[index, :k] = drafts.confidences[index, :k].float().to(self.confidences.device)
+        if self.keeps_logits:
+            if self.logits is None:
+                self.logits = drafts.logits.new_zeros(*self.tokens.shape, drafts.logits.shape[-1])
+            self.logits[index, :k] = drafts.logits[index, :k]
+        for row in rows:
+            self.lengths[row], self.anchors[row] = min(drafts.lengths[row], k), anchors[row]
 
     def adopt(self, tokens: torch.LongTensor, usable: list[int], anchors: list[int]) -> None:
         """Another process's drafts for this step (a spread target's rank 0): every row's tokens, and how many of
@@ -246,11 +279,13 @@ class BatchDrafts:
         """Drafts of `row` that follow its anchor column."""
         return self.lengths[row] if self.anchors[row] == anchor else 0
 
-    def cut(self, policy: DraftPolicy, ahead: list[int], anchors: list[int], limiting: list[bool], most: int) -> int:
+    def cut(
+        self, policy: DraftPolicy, uncached: list[int], anchors: list[int], limiting: list[bool], most: int
+    ) -> int:
         """Drafted width positions the step verifies (the verify forward is one wider), at most `most`."""
-        confidences = [
-            self.confidences[row, : self.usable(row, anchors[row])].tolist() if limits else []
-            for row, limits in enumerate(limiting)
+        table = self.confidences.tolist()  # one transfer for the batch
+        self.cut_confidences = [
+            row_confidences[: self.usable(row, anchors[row])] if limits else []
+            for row, (row_confidences, limits) in enumerate(zip(table, limiting, strict=True))
         ]
-        self.row_confidences = confidences
-        return min(policy.choose_width(ahead, confidences), most)
+        return min(policy.choose_width(uncached, self.cut_confidences), most)

@@ -9,7 +9,6 @@ one non-causal forward per block), `MTPProposer` (native MTP: one step per draft
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -22,6 +21,7 @@ from .draft_policy import ConfidenceThreshold, DraftPolicy, StepRecord
 from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
 from .target_base import HyperConnectionTarget, activation_dtype
+from .target_features import TargetFeatures
 from .transformers_compat import CACHE_ARGUMENT, cached_length
 
 
@@ -47,16 +47,7 @@ class TokenPicker:
         return token, logits
 
 
-def batch_confidence(confidences: torch.Tensor, rows: torch.Tensor | None = None) -> list[float]:
-    """Per drafted position, the confidence of the batch: the product of its rows' among `rows` (a bool mask of the
-    rows still generating; None: all), as if rows accepted independently. A batch keeps a position only if every such
-    row accepts it; one row alone keeps its own confidence."""
-    if rows is not None:
-        confidences = confidences[rows.to(confidences.device)]
-    return confidences.prod(dim=0).tolist()
-
-
-def row_confidences(logits: torch.Tensor) -> torch.Tensor:
+def draft_confidences(logits: torch.Tensor) -> torch.Tensor:
     """Each row's confidence at each drafted position ([B, k, V] processed logits): its top probability, [B, k].
 
     Not the probability of the drawn token: in sampling, a draft length that looked at the drawn token would bias
@@ -65,38 +56,43 @@ def row_confidences(logits: torch.Tensor) -> torch.Tensor:
     return logits.softmax(dim=-1).amax(dim=-1)
 
 
-def draft_confidences(logits: torch.Tensor, rows: torch.Tensor | None = None) -> list[float]:
-    """The drafter's confidence at each drafted position (of a batch, `batch_confidence` of `row_confidences`)."""
-    return batch_confidence(row_confidences(logits), rows)
-
-
 def drafted_token_probabilities(logits: torch.Tensor, tokens: torch.LongTensor) -> list[float]:
     """q of each drafted token ([1, k, V] processed logits, [1, k] tokens): what `assistant_confidence_threshold` is
     compared with, as transformers' `ConfidenceCriteria` does."""
     return logits.softmax(dim=-1).gather(-1, tokens[..., None].to(logits.device)).flatten().tolist()
 
 
-class StepSchedule(Protocol):
-    """What a proposer asks the step's schedule while it drafts (`SpeculativeCandidateGenerator`)."""
+class StepSchedule:
+    """What a proposer asks the call's draft policy while it drafts. One row: whether the step would verify every
+    draft so far (`verifies`), and for a drafter that spends a forward per token whether to draft one more (with the
+    confidence threshold, if any). A batch (`whole_blocks`) draws its blocks whole: how much of them is verified is
+    chosen afterwards, from every row's confidences (`DraftPolicy.choose_width`)."""
+
+    def __init__(self, policy: DraftPolicy, threshold: ConfidenceThreshold | None = None, whole_blocks: bool = False):
+        self.policy, self.threshold, self.whole_blocks = policy, threshold, whole_blocks
+
+    def verifies(self, confidences: torch.Tensor) -> bool:
+        """Would the step verify every draft with these confidences ([B, k], the last one's token not drawn yet)?"""
+        if self.whole_blocks:
+            return True
+        return self.policy.choose(confidences[0].tolist()) == confidences.shape[1]
 
     def keep_drafting(self, confidences: list[float], probabilities: list[float]) -> bool:
-        """A drafter that spends a forward per token: draft one more, after these drafts?"""
-
-    def verifies(self, confidences: list[float]) -> bool:
-        """Would the step verify every draft with these confidences (the last one's token not drawn yet)?"""
+        """A sequential drafter drafts one more token while the policy, and the confidence threshold, agree."""
+        if self.threshold is not None and not self.threshold.keep_drafting(probabilities):
+            return False
+        return self.policy.keep_drafting(confidences)
 
 
 @dataclass
 class Draft:
-    """One proposal: the drafted tokens [B, k], the processed logits they were picked from [B, k, V], the drafter's
-    confidence at each position (`draft_confidences`; each row's own in `row_confidences`, [B, k]), and the drafter
-    forwards it took."""
+    """One proposal: the drafted tokens [B, k], the processed logits they were picked from [B, k, V], each row's
+    confidence at each position [B, k] (`draft_confidences`), and the drafter forwards it took."""
 
     tokens: torch.LongTensor
     logits: torch.Tensor
-    confidences: list[float]
+    confidences: torch.Tensor
     drafter_forwards: int
-    row_confidences: torch.Tensor
 
     @property
     def token_probabilities(self) -> list[float]:
@@ -105,6 +101,8 @@ class Draft:
 
 class BlockProposer:
     """HyperDFlash / vanilla DFlash: one non-causal drafter forward proposes a whole block."""
+
+    drafts_rows_together = True  # takes a padding mask: every row of a batch drafts in one forward
 
     def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget):
         self.drafter, self.target = drafter, target
@@ -124,14 +122,12 @@ class BlockProposer:
         pick: TokenPicker,
         schedule: StepSchedule,
         context_mask: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
         anchor_positions: torch.LongTensor | None = None,
     ) -> Draft:
         """The whole block in one forward; the schedule then chooses how many drafts to verify (with DSpark's heads,
         as DSparkProposer does). A batch of rows drafts in the same forward, each from the last token of its row of
         `input_ids`: `positions` and `anchor_positions` [B, 1] are each row's own (left padding makes them lag the
-        column), `context_mask` marks the context each row sees, `rows` the rows whose confidence counts
-        (`batch_confidence`)."""
+        column), and `context_mask` marks the context each row sees."""
         device, dtype = self.drafter.device, self.drafter.dtype
         anchor_embeds = self.target.embed(input_ids[:, -1:])
         if anchor_positions is None:
@@ -146,16 +142,16 @@ class BlockProposer:
         )
         logits = self.target.logits(out.last_hidden_state[:, 1 : 1 + num_tokens]).float().to(input_ids.device)
         if self.drafter.config.markov_rank:  # DSpark's heads: drawn left to right, as DSpark drafts
-            return draw_with_heads(self.drafter, logits, out.residual[:, 1:], input_ids, pick, schedule, rows)
+            return draw_with_heads(self.drafter, logits, out.residual[:, 1:], input_ids, pick, schedule)
         tokens, processed = _pick_sequentially(input_ids, logits, pick)
-        confidences = row_confidences(processed)
-        return Draft(tokens, processed, batch_confidence(confidences, rows), 1, confidences)
+        return Draft(tokens, processed, draft_confidences(processed), 1)
 
 
 class MTPProposer:
     """Native MTP: one step per draft token, each reusing the module on its own pre-collapse output."""
 
     feature_layers = None
+    drafts_rows_together = False  # no padding mask: a batch drafts row by row
 
     def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget, num_draft_tokens: int):
         self.drafter, self.target = drafter, target
@@ -194,7 +190,7 @@ class MTPProposer:
             token, processed = pick(candidates, logits)
             candidates = torch.cat([candidates, token], dim=-1)
             all_logits.append(processed)
-            confidences += draft_confidences(processed[:, None])
+            confidences += draft_confidences(processed[:, None])[0].tolist()
             probabilities += drafted_token_probabilities(processed[:, None], token)
             if len(all_logits) == num_tokens or not schedule.keep_drafting(confidences, probabilities):
                 break
@@ -203,12 +199,14 @@ class MTPProposer:
         depth = len(all_logits)
         self.cache.crop(-(depth - 1))  # the deeper steps saw unverified tokens; keep only real context
         logits = torch.stack(all_logits, dim=1)
-        return Draft(candidates[:, input_ids.shape[1] :], logits, confidences, depth, row_confidences(logits))
+        return Draft(candidates[:, input_ids.shape[1] :], logits, draft_confidences(logits), depth)
 
 
 class DSparkProposer:
     """DSpark: one forward gives the block's hidden states; its tokens, each with its Markov bias and confidence,
     follow left to right (`draw_with_heads`)."""
+
+    drafts_rows_together = False  # no padding mask: a batch drafts row by row
 
     def __init__(self, drafter: PreTrainedModel, target: HyperConnectionTarget):
         self.drafter, self.target = drafter, target
@@ -251,30 +249,26 @@ def draw_with_heads(
     input_ids: torch.LongTensor,
     pick: TokenPicker,
     schedule: StepSchedule,
-    rows: torch.Tensor | None = None,
 ) -> Draft:
     """A block's tokens drawn left to right, each with the Markov bias of the token before it (the anchor for the
     first), from the block's `logits` [B, k, V] and pre-norm hidden states `residual` [B, >= k, D]. Before a token is
     drawn the schedule decides from the confidences so far, this one's included (each depends on earlier tokens
     only), whether it is verified: what decides is known before the token is drawn, so speculative sampling stays
-    exact. A batch's confidence is the product of its rows' among `rows` (`batch_confidence`)."""
+    exact."""
     device = residual.device
-    candidates, processed, confidences, previous = input_ids, [], [], input_ids[:, -1:]
-    per_row = []
+    candidates, processed, previous = input_ids, [], input_ids[:, -1:]
+    confidences = logits.new_zeros(logits.shape[0], 0)
     for k in range(logits.shape[1]):
         bias, markov_embedding = drafter.markov(previous.to(device))
-        row_confidence = drafter.confidence(residual[:, k : k + 1], markov_embedding)  # [B, 1]
-        confidence = batch_confidence(row_confidence, rows)[0]
-        if not schedule.verifies([*confidences, confidence]):
+        confidence = drafter.confidence(residual[:, k : k + 1], markov_embedding).float().to(logits.device)  # [B, 1]
+        if not schedule.verifies(torch.cat([confidences, confidence], dim=1)):
             break
-        confidences.append(confidence)
-        per_row.append(row_confidence.float())
+        confidences = torch.cat([confidences, confidence], dim=1)
         previous, row = pick(candidates, logits[:, k] + bias[:, 0].to(logits.device))
         candidates = torch.cat([candidates, previous], dim=-1)
         processed.append(row)
     drafted = torch.stack(processed, dim=1) if processed else logits[:, :0]
-    confidences_per_row = torch.cat(per_row, dim=1) if per_row else logits.new_zeros(logits.shape[0], 0)
-    return Draft(candidates[:, input_ids.shape[1] :], drafted, confidences, 1, confidences_per_row)
+    return Draft(candidates[:, input_ids.shape[1] :], drafted, confidences, 1)
 
 
 def _pick_sequentially(
@@ -289,28 +283,38 @@ def _pick_sequentially(
     return candidates[:, input_ids.shape[1] :], torch.stack(processed, dim=1)
 
 
-def make_proposer(
-    drafter: PreTrainedModel, target: HyperConnectionTarget, max_draft: int
-) -> BlockProposer | MTPProposer | DSparkProposer:
-    """The proposer for the drafter's kind (`max_draft`: the deepest a native MTP drafter drafts)."""
+Proposer = BlockProposer | MTPProposer | DSparkProposer
+
+
+def proposer_class(drafter: PreTrainedModel) -> type[Proposer]:
+    """The proposer for the drafter's kind: the one place that tells drafter kinds apart at run time."""
     if drafter.config.model_type == BLOCK_DRAFTER_TYPE:
-        return BlockProposer(drafter, target)
+        return BlockProposer
     if drafter.config.model_type == DSPARK_DRAFTER_TYPE:
-        return DSparkProposer(drafter, target)
-    return MTPProposer(drafter, target, max_draft)
+        return DSparkProposer
+    return MTPProposer
+
+
+def make_proposer(drafter: PreTrainedModel, target: HyperConnectionTarget, max_draft: int) -> Proposer:
+    """A proposer for the drafter (`max_draft`: the deepest a native MTP drafter drafts, which sizes its cache)."""
+    cls = proposer_class(drafter)
+    return cls(drafter, target, max_draft) if cls is MTPProposer else cls(drafter, target)
 
 
 class SpeculativeCandidateGenerator(CandidateGenerator):
-    """Feeds the features of newly verified positions to the drafter and returns its proposals.
+    """The call's candidate logic, for one row and for a batch: the proposer, the target features the drafter has not
+    read yet (`features`), how many tokens a step drafts or whether it skips drafting (`draft_budget`), the
+    proposers' schedule, and the stats of every verify step (`record_verified`).
 
-    transformers calls `get_candidates` before every target forward; the first call returns no candidates so that
-    the prefill forward produces the first features, as its own MTP/DFlash generators do. A call continuing from a
-    cache that already holds a prefix of the prompt prefills only the rest, as plain decoding does
+    For one row it is what transformers' assisted loop calls each step. The first call returns no candidates so that
+    the prefill forward produces the first features, as transformers' own MTP/DFlash generators do. A call continuing
+    from a cache that already holds a prefix of the prompt prefills only the rest, as plain decoding does
     (transformers' assisted loop would feed the whole prompt again on top of the cache); the drafter's context then
     starts at the new tokens. The draft policy decides each step whether to draft and how many drafts to verify, and
     an `assistant_confidence_threshold` may end the drafts earlier; a step that skips drafting returns no
     candidates, so the target decodes one token as plain decoding would, and its features wait for the drafter's next
-    forward.
+    forward. A batch's loop (`batched_decoding.py`) asks the same object for the same pieces, row by row where they
+    are per row.
     """
 
     requires_model_outputs = True
@@ -318,7 +322,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
     def __init__(
         self,
         *,
-        proposer: BlockProposer | MTPProposer | DSparkProposer,
+        proposer,
         capture: FeatureCapture,
         prompt_length: int,
         max_length: int,
@@ -326,14 +330,17 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         policy: DraftPolicy,
         threshold: ConfidenceThreshold | None,
         stats: GenerationStats,
+        whole_blocks: bool = False,
     ):
+        """`proposer`: a `Proposer`, or for a batch its rows' drafting (`batched_drafting.py`); `whole_blocks`: a
+        batch's blocks are drawn whole and cut for the batch afterwards (`StepSchedule`)."""
         self.proposer, self.capture, self.pick, self.stats = proposer, capture, pick, stats
         self.policy, self.threshold, self.max_length = policy, threshold, max_length
+        self.schedule = StepSchedule(policy, threshold, whole_blocks)
         self.prompt_length = prompt_length
-        self.consumed = 0  # leading positions whose features were taken (fed to the drafter or pending)
+        self.features = TargetFeatures(0)
+        self.forward_start = 0  # the first column the latest target forward fed
         self.model_kwargs_overrides: dict = {}  # merged into the target's forward inputs by transformers
-        # Verified features the drafter has not seen yet, one piece per step: joined once, when it next drafts
-        self.pending: list[torch.Tensor] = []
         self._new_step()
 
     @property
@@ -341,28 +348,36 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         """The most drafts a step verifies: what the target cache must be able to roll back (transformers 5.25 on)."""
         return self.policy.max_draft
 
-    def _take_verified(self, length: int) -> None:
-        """Of the last target forward's positions, those now verified (all but the newest of `length` tokens) go to
-        the drafter's next forward."""
-        num_new = length - 1 - self.consumed
-        if num_new > 0:
-            self.pending.append(self.capture.features()[:, :num_new])
-            self.consumed = length - 1
+    def start(self, column: int) -> None:
+        """The call's first target forward feeds the columns from `column` on (a cached prefix comes before it)."""
+        self.features = TargetFeatures(column)
+        self.forward_start = column
+
+    def keep_forward_features(self) -> None:
+        """After a target forward: its features, from the column it started at."""
+        self.features.write(self.forward_start, self.capture.features())
+
+    def draft_budget(self, room: int) -> int:
+        """How many tokens the next step drafts at most, with `room` tokens left before the length limit; 0: the step
+        decodes without the drafter (counted as skipped when the policy chose so)."""
+        most = min(self.policy.draft_length, room)
+        if most <= 0:
+            return 0
+        if not self.policy.should_draft():
+            self.stats.skipped_steps += 1
+            return 0
+        return most
+
+    def record_verified(self, proposed: int, accepted: int) -> None:
+        """A verify step's drafts: how many the target saw and how many it accepted."""
+        self.stats.proposed_per_step.append(proposed)
+        self.stats.accepted_per_step.append(accepted)
 
     def _new_step(self, decoding: bool = True) -> None:
         self.confidences: list[float] = []
         self.token_probabilities: list[float] = []
         self.last_proposed = self.last_accepted = self.drafter_forwards = 0
         self.is_decoding_step = decoding  # the prefill is no decoding step: the policy does not learn from it
-
-    def verifies(self, confidences: list[float]) -> bool:
-        return self.policy.choose(confidences) == len(confidences)
-
-    def keep_drafting(self, confidences: list[float], probabilities: list[float]) -> bool:
-        """A sequential drafter drafts one more token while the schedule, and the confidence threshold, agree."""
-        if self.threshold is not None and not self.threshold.keep_drafting(probabilities):
-            return False
-        return self.policy.keep_drafting(confidences)
 
     def get_candidates(
         self,
@@ -377,28 +392,26 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         self._new_step(decoding=not is_first_iteration)
         self.model_kwargs_overrides = {}
         if is_first_iteration:
-            self.consumed = cached_length(model_kwargs[CACHE_ARGUMENT])
-            if self.consumed:
-                self.model_kwargs_overrides["input_ids"] = input_ids[:, self.consumed :]
+            cached = cached_length(model_kwargs[CACHE_ARGUMENT])
+            self.start(cached)
+            if cached:
+                self.model_kwargs_overrides["input_ids"] = input_ids[:, cached:]
                 if model_kwargs.get("position_ids") is not None:
-                    self.model_kwargs_overrides["position_ids"] = model_kwargs["position_ids"][..., self.consumed :]
+                    self.model_kwargs_overrides["position_ids"] = model_kwargs["position_ids"][..., cached:]
             return input_ids, None
 
-        # The last target forward covered the tokens after the previous verified prefix; of those,
-        # everything but the newest (bonus) token of input_ids is verified now.
-        self._take_verified(input_ids.shape[1])
-
-        num_tokens = min(self.policy.draft_length, self.max_length - input_ids.shape[1] - 1)
-        if num_tokens <= 0:
+        # The last target forward fed the columns from `forward_start`; of its features, those before the newest
+        # (bonus) token of input_ids are verified now. The next forward starts at that token.
+        self.keep_forward_features()
+        anchor = self.forward_start = input_ids.shape[1] - 1
+        num_tokens = self.draft_budget(self.max_length - input_ids.shape[1] - 1)
+        if not num_tokens:
             return input_ids, None
-        if not self.policy.should_draft():
-            self.stats.skipped_steps += 1
-            return input_ids, None
-        context = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1)
-        self.pending = []
-        positions = torch.arange(input_ids.shape[1] - 1 - context.shape[1], input_ids.shape[1] - 1)[None]
-        draft = self.proposer.propose(context, positions.to(input_ids.device), input_ids, num_tokens, self.pick, self)
-        self.confidences, self.drafter_forwards = draft.confidences, draft.drafter_forwards
+        context = self.features.read(anchor)
+        positions = torch.arange(self.features.start, anchor, device=input_ids.device)[None]
+        self.features.drop_before(anchor)
+        draft = self.proposer.propose(context, positions, input_ids, num_tokens, self.pick, self.schedule)
+        self.confidences, self.drafter_forwards = draft.confidences[0].tolist(), draft.drafter_forwards
         self.last_proposed = min(self.policy.choose(self.confidences), draft.tokens.shape[1])
         if self.threshold is not None:
             self.token_probabilities = draft.token_probabilities[: self.last_proposed]
@@ -412,8 +425,7 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         """After every target forward: the step's outcome for the stats, and for the policy to learn from."""
         self.last_accepted = int(num_matches)
         if self.last_proposed:
-            self.stats.accepted_per_step.append(self.last_accepted)
-            self.stats.proposed_per_step.append(self.last_proposed)
+            self.record_verified(self.last_proposed, self.last_accepted)
             if self.threshold is not None:
                 self.threshold.record(self.token_probabilities[: self.last_proposed], self.last_accepted)
         self.stats.new_tokens = input_ids.shape[1] - self.prompt_length

@@ -32,6 +32,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from .draft_options import (
     ADAPTIVE_SCHEDULE,
     BLOCK_DRAFTER_TYPE,
@@ -103,10 +105,11 @@ class DraftPolicy(ABC):
     def record(self, step: StepRecord) -> None:
         """After the step: learn from how it went."""
 
-    def choose_width(self, ahead: Sequence[int], confidences: Sequence[Sequence[float]]) -> int:
+    def choose_width(self, uncached: Sequence[int], confidences: Sequence[Sequence[float]]) -> int:
         """A batch (`batched_drafting.py`): how many drafted positions its verify forward carries. Row r feeds its
-        `ahead[r]` committed tokens first, then its drafts (their confidences). Default: every row's whole draft."""
-        return max((a - 1 + len(c) for a, c in zip(ahead, confidences, strict=True) if c), default=0)
+        `uncached[r]` committed tokens first (its anchor last), then its drafts (their confidences). Default: every
+        row's whole draft."""
+        return max((a - 1 + len(c) for a, c in zip(uncached, confidences, strict=True) if c), default=0)
 
     @abstractmethod
     def record_batch(self, step: BatchStepRecord) -> None:
@@ -242,6 +245,18 @@ class AcceptanceCalibration:
         b = self._bin(confidence)
         return self.accepted[b] / self.tried[b]
 
+    def expected_tokens(self, confidences: Sequence[Sequence[float]]) -> torch.Tensor:
+        """`expected_tokens` of each row's drafts at once, [B, K + 1] float64 (K: the longest row's drafts); a row
+        with fewer drafts repeats its last entry."""
+        lengths = torch.tensor([len(row) for row in confidences])
+        drafted = torch.arange(int(lengths.max()))[None] < lengths[:, None]
+        table = torch.zeros(drafted.shape, dtype=torch.float64)
+        table[drafted] = torch.tensor([value for row in confidences for value in row], dtype=torch.float64)
+        bins = (table * self.bins).long().clamp(max=self.bins - 1)
+        rates = torch.tensor(self.accepted, dtype=torch.float64) / torch.tensor(self.tried, dtype=torch.float64)
+        reach = (rates[bins] * drafted).cumprod(dim=1)
+        return torch.cat([torch.ones(len(confidences), 1, dtype=torch.float64), 1 + reach.cumsum(dim=1)], dim=1)
+
     def update(self, confidences: Sequence[float], proposed: int, accepted: int) -> None:
         """Drafts 1..accepted were accepted; draft accepted + 1, if verified, was rejected; later ones were unseen."""
         for position, confidence in enumerate(confidences[: min(accepted + 1, proposed)]):
@@ -305,25 +320,26 @@ class AdaptiveDraftPolicy(DraftPolicy):
     def _pays(self, steps: Sequence[tuple[int, float]]) -> bool:
         return sum(tokens for tokens, _ in steps) >= (1.0 - self.margin) * sum(cost for _, cost in steps)
 
-    def choose_width(self, ahead: Sequence[int], confidences: Sequence[Sequence[float]]) -> int:
+    def choose_width(self, uncached: Sequence[int], confidences: Sequence[Sequence[float]]) -> int:
         """The width with the best expected rate of new tokens per row: a row adds its bonus token plus the drafts
         it is expected to accept when the forward reaches its newest token (a row further ahead adds none), and every
         drafted position costs the batch `verify_cost`. Each row's drafts are verified as far as the forward reaches,
-        decided from confidences known before its tokens were drawn, as for one row."""
-        widest = super().choose_width(ahead, confidences)
-        reach = [expected_tokens([self.calibration.probability(c) for c in row]) for row in confidences]
-
-        def rate(width: int) -> float:
-            tokens = [
-                row_reach[min(width - a + 1, len(row_reach) - 1)] if a <= width + 1 else 0.0
-                for a, row_reach in zip(ahead, reach, strict=True)
-            ]
-            return sum(tokens) / len(tokens) / self.costs.step(1, width)
-
+        decided from confidences known before its tokens were drawn, as for one row. Computed for every row and
+        width at once (host work that does not loop over rows)."""
+        widest = super().choose_width(uncached, confidences)
+        if not widest:
+            return 0
+        reach = self.calibration.expected_tokens(confidences)  # [B, K + 1]
+        ahead = torch.tensor(uncached)[:, None]
+        widths = torch.arange(widest + 1)[None]
+        column = (widths - ahead + 1).clamp(0, reach.shape[1] - 1)
+        tokens = reach.gather(1, column) * (ahead <= widths + 1)
+        costs = torch.tensor([self.costs.step(1, width) for width in range(widest + 1)], dtype=torch.float64)
+        rates = (tokens.mean(dim=0) / costs).tolist()
         best = 0  # the rate rises to its best width and then falls: stop where it first stops rising
-        while best < widest and rate(best + 1) > rate(best):
+        while best < widest and rates[best + 1] > rates[best]:
             best += 1
-        return max(best, min(1, widest)) if self.probing else best
+        return max(best, 1) if self.probing else best
 
     def record(self, step: StepRecord) -> None:
         if not step.drafter_forwards:

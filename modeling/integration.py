@@ -30,14 +30,9 @@ import transformers.generation.utils as generation_utils
 from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedModel
 
 from . import call_scope
-from .agreed_steps import agree_on_drafts, rank_zero_verdict
-from .batched_decoding import MAX_LEAD, batched_generate
-from .batched_drafting import drafts_row_by_row
-from .candidate_generator import (
-    SpeculativeCandidateGenerator,
-    TokenPicker,
-    make_proposer,
-)
+from .agreed_steps import agree_on_drafts, agree_on_sequences, rank_zero_verdict
+from .batched_decoding import EXTRA_VERIFY_WIDTH, batched_generate
+from .candidate_generator import SpeculativeCandidateGenerator, TokenPicker, make_proposer, proposer_class
 from .draft_options import DRAFTER_TYPES
 from .draft_policy import CallSchedule
 from .generation_stats import GenerationStats, synchronized_clock
@@ -234,6 +229,8 @@ def _exact_assisted_call(
         ):
             output = original_generate(target.model, **arguments, **kwargs)
         output = stopping[0].finish(output, cache, prompt_length)
+        if agreement.spread:
+            agree_on_sequences(agreement, output if isinstance(output, torch.Tensor) else output.sequences)
     finally:
         target.release_cache(cache)  # the returned (or passed-in) cache is plain decoding's, by type and state
     if no_attentions and not isinstance(output, torch.Tensor):
@@ -270,7 +267,8 @@ def _plan_call(request: GenerateRequest, drafter: PreTrainedModel, agreement: Ra
     if request.cache is not None:
         check_cached_prefix(request.cache, request.input_ids.shape[1])
     rows = request.input_ids.shape[0] * (request.generation_config.num_return_sequences or 1)
-    schedule = CallSchedule(schedule_name, drafter, request.model, draft_length, (rows, drafts_row_by_row(drafter)))
+    rows_together = proposer_class(drafter).drafts_rows_together
+    schedule = CallSchedule(schedule_name, drafter, request.model, draft_length, (rows, not rows_together))
     return CallPlan(target, schedule, batched, agreement)
 
 
@@ -285,7 +283,7 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
     max_draft = schedule.policy.max_draft  # "heuristic" may grow past `draft_length`
     stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule.name)
     if plan.batched:
-        cache = _call_cache(target, request.cache, max_draft + MAX_LEAD)  # a batch's forward may reach past a block
+        cache = _call_cache(target, request.cache, max_draft + EXTRA_VERIFY_WIDTH)  # a batch's forward reaches past
         loop = (target, cache, drafter, schedule.policy, stats, agreement)
         output = batched_generate(original_generate, request, *loop)
         return _finish(output, request, drafter, plan, stats, start)

@@ -177,13 +177,22 @@ def stops_alike(criteria) -> bool:
     return all(isinstance(criterion, TOKEN_CRITERIA) for criterion in criteria)
 
 
-def sequence_state(ids: torch.LongTensor, lengths: list[int] | None = None) -> torch.Tensor:
-    """A short view of a batch's tokens that differs when ranks hold different ones: the width, per-row lengths
-    (committed tokens), and a position-weighted sum of the ids."""
-    weights = torch.arange(1, ids.shape[-1] + 1, device=ids.device)
-    digest = (ids.long() * weights).sum().reshape(1).cpu()
-    sizes = torch.tensor([ids.shape[-1], *(lengths or [])])
-    return torch.cat([sizes, digest])
+class TokenDigest:
+    """A running SHA-256 of the tokens each row of a call committed, in order, fed only what is new at each step. Its
+    `state` travels in each step's collective and once after the last step, so ranks that hold different tokens (a
+    verdict that differs on one rank) raise instead of returning different sequences."""
+
+    def __init__(self):
+        self.hash = hashlib.sha256()
+
+    def add(self, rows: list[list[int]]) -> None:
+        """Every row's newly committed tokens (an empty list: none)."""
+        self.hash.update(repr(rows).encode())
+
+    def state(self, lengths: list[int]) -> torch.Tensor:
+        """The rows' lengths and 62 bits of the digest (so its negation fits an int64), as `decide` compares them."""
+        value = int.from_bytes(self.hash.digest()[:8], "little") >> 2
+        return torch.tensor([*lengths, value])
 
 
 def _described(error: BaseException | None) -> tuple[int, str, str] | None:
