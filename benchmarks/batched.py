@@ -1,15 +1,14 @@
-"""Batched speculative decoding against plain batched decoding, at several batch sizes, for each batch design.
+"""Batched speculative decoding against plain batched decoding, at several batch sizes.
 
-    python benchmarks/batched.py                          # CPU: fp32, batches 1 2 4 8 16 32, both designs
+    python benchmarks/batched.py                          # CPU: fp32, batches 1 2 4 8 16 32
     python benchmarks/batched.py --device cuda            # a GPU: bf16, the same table
     python benchmarks/batched.py --batch-sizes 4 16 --schedules constant
     python benchmarks/batched.py --target DIR --drafter-dir DIR      # another pair with the shipped tokenizer
 
 The shipped reference target and drafter on held-out ShareGPT prompts, tokenized with the chat template and
-left-padded per batch; every row generates the same number of tokens (no end-of-sequence stop), greedy. Designs:
-`keep` (the default: every row keeps the tokens it verified) and `shortest` (every row advances by the batch's
-shortest accepted run, `batch_max_lead=0`). Schedules: `adaptive` (the default) and `constant` (every step verifies
-the whole block). Per (schedule, batch size, design), over `--groups` batches of distinct prompts:
+left-padded per batch; every row generates the same number of tokens (no end-of-sequence stop), greedy; every row
+keeps the tokens it verified. Schedules: `adaptive` (the default) and `constant` (every step verifies the whole block).
+Per (schedule, batch size), over `--groups` batches of distinct prompts:
 
 - ratio: plain batched time over speculative time (calls interleaved `--repeats` times per batch, medians), the
   median over batches with its 95% percentile bootstrap interval (an interval holding 1.00 is a tie);
@@ -42,7 +41,6 @@ from hf_hyperdflash.modeling.generation_stats import synchronized_clock
 from hf_hyperdflash.prompts import load_prompts
 
 DRAFTERS = {"hyperdflash": reference.drafter_path("hyperdflash"), "dspark": reference.dspark_path()}
-DESIGNS = {"keep": None, "shortest": 0}  # `batch_max_lead` of each design
 SIZES = {
     "cpu": {"groups": 4, "max_new_tokens": 48, "repeats": 2},
     "cuda": {"groups": 6, "max_new_tokens": 128, "repeats": 3},
@@ -77,9 +75,8 @@ class Runner:
         output = self.target.generate(**inputs, generation_config=self.generation_config)
         return synchronized_clock() - start, output
 
-    def speculative(self, inputs: dict, schedule: str, lead: int | None) -> tuple[float, torch.Tensor]:
+    def speculative(self, inputs: dict, schedule: str) -> tuple[float, torch.Tensor]:
         self.drafter.generation_config.num_assistant_tokens_schedule = schedule
-        self.drafter.generation_config.batch_max_lead = lead
         start = synchronized_clock()
         output = self.target.generate(**inputs, generation_config=self.generation_config, assistant_model=self.drafter)
         return synchronized_clock() - start, output
@@ -88,7 +85,7 @@ class Runner:
         """(verify steps, tau) of each row decoded alone."""
         results = []
         for row in rows_of(inputs):
-            self.speculative(row, schedule, None)
+            self.speculative(row, schedule)
             stats = self.drafter.last_generation_stats
             results.append((stats.decoding_steps, stats.mean_accepted_length))
         return results
@@ -97,54 +94,44 @@ class Runner:
         """Verify steps of each row with its padding in the batch, decoded as a batch of two copies of it."""
         steps = []
         for row in range(inputs["input_ids"].shape[0]):
-            self.speculative({name: value[[row, row]] for name, value in inputs.items()}, schedule, None)
+            self.speculative({name: value[[row, row]] for name, value in inputs.items()}, schedule)
             steps.append(self.drafter.last_generation_stats.decoding_steps)
         return steps
 
 
-def measure(runner: Runner, inputs_list: list[dict], schedule: str, repeats: int) -> dict[str, dict]:
-    """Every design on the same batches, interleaved with plain decoding."""
-    per_design = {
-        name: {"ratios": [], "taus": [], "kept": [], "kept_padded": [], "row_taus": [], "identical": 0}
-        for name in DESIGNS
-    }
+def measure(runner: Runner, inputs_list: list[dict], schedule: str, repeats: int) -> dict:
+    """Speculative batched decoding on the batches, interleaved with plain decoding."""
+    result = {"ratios": [], "taus": [], "kept": [], "kept_padded": [], "row_taus": [], "identical": 0}
     alone_taus = []
     for inputs in inputs_list:
         alone = runner.alone(inputs, schedule)
         slowest_alone = max(steps for steps, _ in alone)
         slowest_padded = max(runner.padded_alone(inputs, schedule)) if len(alone) > 1 else slowest_alone
         alone_taus += [tau for _, tau in alone]
-        times = {name: [] for name in ["plain", *DESIGNS]}
-        outputs, last_stats = {}, {}
-        for _ in range(repeats):  # interleaved: a slow spell of the machine hits every side
-            seconds, outputs["plain"] = runner.plain(inputs)
+        times = {"plain": [], "speculative": []}
+        for _ in range(repeats):  # interleaved: a slow spell of the machine hits both sides
+            seconds, plain = runner.plain(inputs)
             times["plain"].append(seconds)
-            for name, lead in DESIGNS.items():
-                seconds, outputs[name] = runner.speculative(inputs, schedule, lead)
-                times[name].append(seconds)
-                last_stats[name] = runner.drafter.last_generation_stats
-        for name, stats in last_stats.items():
-            result = per_design[name]
-            result["ratios"].append(statistics.median(times["plain"]) / statistics.median(times[name]))
-            result["taus"].append(stats.mean_accepted_length if stats.accepted_per_step else 1.0)
-            result["kept"].append(slowest_alone / stats.decoding_steps)
-            result["kept_padded"].append(slowest_padded / stats.decoding_steps)
-            result["row_taus"].append(stats.row_tau if len(stats.row_taus) > 1 else stats.mean_accepted_length)
-            result["identical"] += bool(torch.equal(outputs["plain"], outputs[name]))
-    summary = {}
-    for name, result in per_design.items():
-        ratio, low, high = median_with_interval(result["ratios"])
-        summary[name] = {
-            "ratio": ratio,
-            "interval": [low, high],
-            "tau": statistics.mean(result["taus"]),
-            "tau_kept": statistics.mean(result["kept"]),
-            "tau_kept_padded": statistics.mean(result["kept_padded"]),
-            "row_tau": statistics.mean(result["row_taus"]),
-            "row_tau_alone": statistics.mean(alone_taus),
-            "identical": f"{result['identical']}/{len(inputs_list)}",
-        }
-    return summary
+            seconds, speculative = runner.speculative(inputs, schedule)
+            times["speculative"].append(seconds)
+        stats = runner.drafter.last_generation_stats
+        result["ratios"].append(statistics.median(times["plain"]) / statistics.median(times["speculative"]))
+        result["taus"].append(stats.mean_accepted_length if stats.accepted_per_step else 1.0)
+        result["kept"].append(slowest_alone / stats.decoding_steps)
+        result["kept_padded"].append(slowest_padded / stats.decoding_steps)
+        result["row_taus"].append(stats.row_tau if len(stats.row_taus) > 1 else stats.mean_accepted_length)
+        result["identical"] += bool(torch.equal(plain, speculative))
+    ratio, low, high = median_with_interval(result["ratios"])
+    return {
+        "ratio": ratio,
+        "interval": [low, high],
+        "tau": statistics.mean(result["taus"]),
+        "tau_kept": statistics.mean(result["kept"]),
+        "tau_kept_padded": statistics.mean(result["kept_padded"]),
+        "row_tau": statistics.mean(result["row_taus"]),
+        "row_tau_alone": statistics.mean(alone_taus),
+        "identical": f"{result['identical']}/{len(inputs_list)}",
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -179,22 +166,20 @@ def main(argv: list[str] | None = None) -> dict:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report = {"device": device_name, "dtype": str(dtype), "target": str(target_dir), "drafter": str(drafter_dir)}
     report |= {**size, "rows": []}
-    columns = ["schedule", "batch", "design", "ratio (95% CI)", "tau", "tau kept (padded)", "row tau (alone)",
-               "identical"]  # fmt: skip
+    columns = ["schedule", "batch", "ratio (95% CI)", "tau", "tau kept (padded)", "row tau (alone)", "identical"]
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for schedule in args.schedules:
         for batch_size in args.batch_sizes:
             inputs_list = batches(tokenizer, batch_size, size["groups"], args.device)
-            for design, row in measure(runner, inputs_list, schedule, size["repeats"]).items():
-                report["rows"].append({"schedule": schedule, "batch": batch_size, "design": design, **row})
-                low, high = row["interval"]
-                print(
-                    f"| {schedule} | {batch_size} | {design} | {row['ratio']:.2f}x ({low:.2f}-{high:.2f}) "
-                    f"| {row['tau']:.2f} | {row['tau_kept']:.2f} ({row['tau_kept_padded']:.2f}) "
-                    f"| {row['row_tau']:.2f} ({row['row_tau_alone']:.2f}) "
-                    f"| {row['identical']} |",
-                    flush=True,
-                )
+            row = measure(runner, inputs_list, schedule, size["repeats"])
+            report["rows"].append({"schedule": schedule, "batch": batch_size, **row})
+            low, high = row["interval"]
+            print(
+                f"| {schedule} | {batch_size} | {row['ratio']:.2f}x ({low:.2f}-{high:.2f}) "
+                f"| {row['tau']:.2f} | {row['tau_kept']:.2f} ({row['tau_kept_padded']:.2f}) "
+                f"| {row['row_tau']:.2f} ({row['row_tau_alone']:.2f}) | {row['identical']} |",
+                flush=True,
+            )
     print(json.dumps(report, indent=2))
     return report
 

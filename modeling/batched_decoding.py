@@ -41,7 +41,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import call_scope
 from .batch_rows import BatchRows
-from .batched_drafting import BatchDrafts, DraftRequest, make_drafting
+from .batched_drafting import BatchDrafts, make_drafting
 from .candidate_generator import SpeculativeCandidateGenerator, TokenPicker
 from .draft_policy import BatchStepRecord, RowStep
 from .rank_agreement import RankAgreement, TokenDigest, stops_alike
@@ -170,7 +170,7 @@ class BatchedSpeculativeLoop:
         returned = config.return_dict_in_generate
         keep = (bool(returned and config.output_scores), bool(returned and config.output_logits))
         self.rows = rows = BatchRows(input_ids, config.max_length, self.pad_id, has_eos, keep)
-        self.pick = TokenPicker(logits_processor, bool(config.do_sample))
+        self.generator.pick = TokenPicker(logits_processor, bool(config.do_sample))
         self.drafts = BatchDrafts(rows.batch, self.policy.max_draft, input_ids.device, self.pad_id, config.do_sample)
 
         cache_length, model_kwargs = self._prefill(model, input_ids, model_kwargs)
@@ -272,23 +272,9 @@ class BatchedSpeculativeLoop:
         ]
         forwards = 0
         if any(drafting):
-            features = generator.features
-            request = DraftRequest(
-                features=features.read(),
-                first_column=features.start,
-                anchors=anchors,
-                ids=rows.ids,
-                drafting=drafting,
-                num_tokens=most,
-                cache_length=cache_length,
-                pick=self.pick,
-                schedule=generator.schedule,
-                pad_id=self.pad_id,
-            )
-            drafted = generator.proposer.propose(request)
+            drafted = generator.draft_rows(anchors, rows.ids, drafting, most, cache_length, self.pad_id)
             self.drafts.store(drafted, anchors)
             forwards = drafted.drafter_forwards
-            features.drop_before(generator.proposer.first_needed_column(cache_length))
         limiting = [not rows.ended(r) for r in range(rows.batch)]
         width = 1 + self.drafts.cut(self.policy, uncached, anchors, limiting, min(most + EXTRA_VERIFY_WIDTH, room))
         return Step(width, uncached, anchors, forwards)
@@ -399,11 +385,11 @@ class BatchedSpeculativeLoop:
             outputs, model_kwargs, num_new_tokens=new_length - cache_length
         )
         rows.history.append(list(rows.committed))
-        if width > 1:
-            self.generator.record_verified(width - 1, shortest - 1)
+        record = None
         if learns:
             advanced = shortest if slowest is None else rows.slowest(generating) - slowest
-            self.policy.record_batch(self._step_record(step, accepted_list, advanced))
+            record = self._step_record(step, accepted_list, advanced)
+        self.generator.record_rows(width - 1, shortest - 1, record)
         return new_length, model_kwargs
 
     def _commit(self, tokens: torch.LongTensor, counts: list[int]) -> None:

@@ -8,45 +8,13 @@ the row commits again, and decides the step's verify width for the batch (`Batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import PreTrainedModel
 from transformers.generation import logits_process
 
-from .candidate_generator import BlockProposer, Draft, Proposer, StepSchedule, TokenPicker, make_proposer
+from .candidate_generator import BlockProposer, Draft, DraftRequest, Proposer, RowDrafts, TokenPicker, make_proposer
 from .draft_policy import DraftPolicy
 from .target_base import HyperConnectionTarget
-
-
-@dataclass
-class DraftRequest:
-    """What the drafters get: target features for columns [first_column, first_column + n) [B, n, ..], each row's
-    anchor column (its newest committed token; its features are valid before it), the committed tokens, the rows to
-    draft for and how many drafts each may propose, and the cache length the target rolls back to after this step."""
-
-    features: torch.Tensor
-    first_column: int
-    anchors: list[int]
-    ids: torch.LongTensor  # [B, columns]: each row's committed tokens, padding after them
-    drafting: list[bool]
-    num_tokens: int
-    cache_length: int
-    pick: TokenPicker
-    schedule: StepSchedule
-    pad_id: int
-
-
-@dataclass
-class RowDrafts:
-    """Drafts of some rows: tokens [B, k], the processed logits they were picked from [B, k, V], per-row lengths (0
-    for a row that did not draft) and per-row confidences [B, k], and the drafter forwards spent."""
-
-    tokens: torch.LongTensor
-    logits: torch.Tensor
-    lengths: list[int]
-    confidences: torch.Tensor
-    drafter_forwards: int
 
 
 def right_aligned(ids: torch.LongTensor, lengths: torch.LongTensor, pad_id: int) -> torch.LongTensor:
@@ -111,14 +79,14 @@ class BlockDrafting:
 
 
 # Processors whose output for a row depends only on that row's tokens and scores (and the batch's width): a row
-# drafted alone may be processed alone. Any other processor sees the whole batch, with the row in its place.
+# drafted alone may be processed alone. Any other processor sees the whole batch, with the row in its place (the
+# repetition penalty, for one, may hold a prompt length per row).
 ROW_LOCAL_PROCESSORS = tuple(
     getattr(logits_process, name)
     for name in (
         "MinLengthLogitsProcessor",
         "MinNewTokensLengthLogitsProcessor",
         "TemperatureLogitsWarper",
-        "RepetitionPenaltyLogitsProcessor",
         "TopPLogitsWarper",
         "TopKLogitsWarper",
         "MinPLogitsWarper",

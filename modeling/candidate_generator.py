@@ -17,7 +17,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache_deepseek_v4 import RewindableDeepseekV4Cache
 from .draft_options import BLOCK_DRAFTER_TYPE, DSPARK_DRAFTER_TYPE
-from .draft_policy import ConfidenceThreshold, DraftPolicy, StepRecord
+from .draft_policy import BatchStepRecord, ConfidenceThreshold, DraftPolicy, StepRecord
 from .feature_capture import FeatureCapture
 from .generation_stats import GenerationStats
 from .target_base import HyperConnectionTarget, activation_dtype
@@ -97,6 +97,37 @@ class Draft:
     @property
     def token_probabilities(self) -> list[float]:
         return drafted_token_probabilities(self.logits, self.tokens)
+
+
+@dataclass
+class DraftRequest:
+    """A batch's step (`batched_drafting.py`), as its rows' drafting gets it: target features for columns
+    [first_column, first_column + n) [B, n, ..], each row's
+    anchor column (its newest committed token; its features are valid before it), the committed tokens, the rows to
+    draft for and how many drafts each may propose, and the cache length the target rolls back to after this step."""
+
+    features: torch.Tensor
+    first_column: int
+    anchors: list[int]
+    ids: torch.LongTensor  # [B, columns]: each row's committed tokens, padding after them
+    drafting: list[bool]
+    num_tokens: int
+    cache_length: int
+    pick: TokenPicker
+    schedule: StepSchedule
+    pad_id: int
+
+
+@dataclass
+class RowDrafts:
+    """Drafts of some rows: tokens [B, k], the processed logits they were picked from [B, k, V], per-row lengths (0
+    for a row that did not draft) and per-row confidences [B, k], and the drafter forwards spent."""
+
+    tokens: torch.LongTensor
+    logits: torch.Tensor
+    lengths: list[int]
+    confidences: torch.Tensor
+    drafter_forwards: int
 
 
 class BlockProposer:
@@ -307,8 +338,8 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
     proposers' schedule, and the stats of every verify step (`record_verified`).
 
     For one row it is what transformers' assisted loop calls each step. The first call returns no candidates so that
-    the prefill forward produces the first features, as transformers' own MTP/DFlash generators do. A call continuing
-    from a cache that already holds a prefix of the prompt prefills only the rest, as plain decoding does
+    the prefill forward produces the first features, as transformers' own MTP/DFlash generators do. A call that
+    continues from a cache already holding a prefix of the prompt prefills only the rest, as plain decoding does
     (transformers' assisted loop would feed the whole prompt again on top of the cache); the drafter's context then
     starts at the new tokens. The draft policy decides each step whether to draft and how many drafts to verify, and
     an `assistant_confidence_threshold` may end the drafts earlier; a step that skips drafting returns no
@@ -367,6 +398,34 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
             self.stats.skipped_steps += 1
             return 0
         return most
+
+    def draft_rows(
+        self,
+        anchors: list[int],
+        ids: torch.LongTensor,
+        drafting: list[bool],
+        num_tokens: int,
+        cache_length: int,
+        pad_id: int,
+    ) -> RowDrafts:
+        """A batch's step: the rows in `drafting` draft (at most `num_tokens` each) from their `anchors`, with the
+        target features kept so far; those the rows' drafting no longer needs are let go."""
+        features = self.features
+        request = DraftRequest(
+            features.read(), features.start, anchors, ids, drafting, num_tokens, cache_length, self.pick,
+            self.schedule, pad_id,
+        )  # fmt: skip
+        drafted = self.proposer.propose(request)
+        features.drop_before(self.proposer.first_needed_column(cache_length))
+        return drafted
+
+    def record_rows(self, proposed: int, accepted: int, step: BatchStepRecord | None) -> None:
+        """A batch's verify step: `proposed` drafted positions, `accepted` of them in every row (the shared cache's
+        advance, less the bonus token), and what the policy learns from the step (None: nothing)."""
+        if proposed:
+            self.record_verified(proposed, accepted)
+        if step is not None:
+            self.policy.record_batch(step)
 
     def record_verified(self, proposed: int, accepted: int) -> None:
         """A verify step's drafts: how many the target saw and how many it accepted."""

@@ -200,13 +200,7 @@ def _exact_assisted_call(
         stopping.append(PerTokenStopping(build(**options), prompt_length, arguments.get("streamer"), agreement))
         return stopping[-1]
 
-    def candidate_generator(original: Callable, **options):
-        generator = build_candidate_generator(original, **options)
-        if agreement.spread:
-            agree_on_drafts(generator, agreement, max_draft, sampling)
-        _keep_states_for_each_draft(generator, target, cache)
-        return generator
-
+    candidate_generator = _assisted_generator(build_candidate_generator, target, cache, max_draft, agreement, sampling)
     # "dynamic" (perhaps from the target's generation_config.json) is what the rewindable cache is.
     kwargs = request.kwargs | {CACHE_ARGUMENT: cache, "cache_implementation": None}
     no_attentions = request.asks_attentions_it_cannot_get
@@ -236,6 +230,27 @@ def _exact_assisted_call(
     if no_attentions and not isinstance(output, torch.Tensor):
         output.attentions = tuple(() for _ in range(output.sequences.shape[1] - prompt_length))  # as plain decoding
     return output
+
+
+def _assisted_generator(
+    build: Callable,
+    target: HyperConnectionTarget,
+    cache: Cache,
+    max_draft: int,
+    agreement: RankAgreement,
+    sampling: bool,
+) -> Callable:
+    """The call's `_get_candidate_generator`: `build`'s generator, keeping the target states each draft may need to
+    roll back, and on a spread target taking rank 0's drafts."""
+
+    def candidate_generator(original: Callable, **options):
+        generator = build(original, **options)
+        if agreement.spread:
+            agree_on_drafts(generator, agreement, max_draft, sampling)
+        _keep_states_for_each_draft(generator, target, cache)
+        return generator
+
+    return candidate_generator
 
 
 @dataclass

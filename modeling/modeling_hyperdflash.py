@@ -324,6 +324,35 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin
         if context_mask is not None and context_mask.shape != (batch, past + target_hidden.shape[1]):
             raise ValueError(f"`context_mask` must be [batch, {past + target_hidden.shape[1]}]: cached + new context.")
 
+    def _visible_context(
+        self,
+        context: torch.Tensor,
+        context_position_ids: torch.LongTensor,
+        anchor_position_ids: torch.LongTensor,
+        context_mask: torch.Tensor | None,
+        cache: Cache | None,
+    ) -> torch.Tensor:
+        """[batch, blocks, keys] bool: the context keys each block sees (before its anchor, within the window, not
+        padding). With a cache, the keys are what each layer gets back from it plus the new ones."""
+        window = self.config.context_window
+        if cache is None:
+            visible = context_position_ids.unsqueeze(1) < anchor_position_ids.unsqueeze(2)
+            if window is not None:
+                oldest = (anchor_position_ids - window).unsqueeze(2)
+                visible = visible & (context_position_ids.unsqueeze(1) >= oldest)
+        else:
+            # Keys a layer gets back: what its cache kept (at most `window` when windowed) plus the new ones
+            past = cache.get_seq_length()
+            key_length = (past if window is None else min(past, window)) + context.shape[1]
+            visible = torch.ones(context.shape[0], 1, key_length, dtype=torch.bool, device=context.device)
+            if window is not None:
+                visible[..., : max(0, key_length - window)] = False
+            if context_mask is not None:
+                context_mask = context_mask[:, -key_length:]
+        if context_mask is not None:
+            visible = visible & context_mask.bool().unsqueeze(1)
+        return visible
+
     def forward(
         self,
         anchor_embeds: torch.Tensor,
@@ -365,28 +394,11 @@ class HyperDFlashForDrafting(StrictLoadingMixin, ModelCardMixin, RemoteCodeMixin
         slots = torch.arange(block_size, device=anchor_position_ids.device)
         block_position_ids = (anchor_position_ids.unsqueeze(-1) + slots).flatten(1)
 
-        window = self.config.context_window
-        if cache is None:
-            context_visible = context_position_ids.unsqueeze(1) < anchor_position_ids.unsqueeze(2)
-            if window is not None:
-                oldest = (anchor_position_ids - window).unsqueeze(2)
-                context_visible = context_visible & (context_position_ids.unsqueeze(1) >= oldest)
-        else:
-            # Keys a layer gets back: what its cache kept (at most `window` when windowed) plus the new ones
-            past = cache.get_seq_length()
-            key_length = (past if window is None else min(past, window)) + context.shape[1]
-            context_visible = torch.ones(batch, 1, key_length, dtype=torch.bool, device=context.device)
-            if window is not None:
-                context_visible[..., : max(0, key_length - window)] = False
-            if context_mask is not None:
-                context_mask = context_mask[:, -key_length:]
-        if context_mask is not None:
-            context_visible = context_visible & context_mask.bool().unsqueeze(1)
-
+        visible = self._visible_context(context, context_position_ids, anchor_position_ids, context_mask, cache)
         attention_kwargs = {
             "block_rope": self.rotary_emb(hidden_states, block_position_ids),
             "context_rope": self.rotary_emb(context, context_position_ids),
-            "attention_mask": block_attention_mask(context_visible, block_size, dtype),
+            "attention_mask": block_attention_mask(visible, block_size, dtype),
             "cache": cache,
         }
         for layer in self.layers:

@@ -154,6 +154,19 @@ def drafter_from_release(
     with ExitStack() as files:
         tensors = release.lazy_tensors(release.drafter_tensor_names(), files)
         info, _ = convert_and_load_state_dict_in_model(drafter, tensors, load_config)
+    _check_loaded(info, release)
+    _cast_as_planned(drafter, dtype)
+    # `save_pretrained` would write the release's names back; the drafter saves under its own, as any drafter does
+    drafter._weight_conversions = None
+    if quantizer is not None:
+        quantizer._process_model_after_weight_loading(drafter)
+        if not quantizer.quantization_config.dequantize:
+            drafter.config.quantization_config = quantizer.quantization_config
+    return drafter.eval()
+
+
+def _check_loaded(info, release: Release) -> None:
+    """Every tensor of the drafter came from the release, and every one of the release's went somewhere."""
     problems = {
         "missing": sorted(info.missing_keys),
         "unexpected": sorted(info.unexpected_keys),
@@ -170,14 +183,6 @@ def drafter_from_release(
             f"{release.name_or_path}: the drafter's weights do not load: {'; '.join(said)}. A partial or altered "
             "checkpoint?"
         )
-    _cast_as_planned(drafter, dtype)
-    # `save_pretrained` would write the release's names back; the drafter saves under its own, as any drafter does
-    drafter._weight_conversions = None
-    if quantizer is not None:
-        quantizer._process_model_after_weight_loading(drafter)
-        if not quantizer.quantization_config.dequantize:
-            drafter.config.quantization_config = quantizer.quantization_config
-    return drafter.eval()
 
 
 def _cast_as_planned(drafter: PreTrainedModel, dtype: torch.dtype) -> None:

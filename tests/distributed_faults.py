@@ -39,13 +39,18 @@ MAX_TIME_TOKENS = 64  # more than `max_time` leaves room for
 SLOW_AT = 3  # the target forward after which rank 1 is slower
 
 
-def outcome(call) -> dict:
+def outcome(call, drafter=None) -> dict:
+    """The call's tokens or error and its seconds; with `drafter`, the stats it left there."""
     start = time.perf_counter()
     try:
         tokens = call().tolist()
     except Exception as error:  # recorded for the test to assert on
         return {"error": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - start}
-    return {"tokens": tokens, "seconds": time.perf_counter() - start}
+    result = {"tokens": tokens, "seconds": time.perf_counter() - start}
+    if drafter is not None:
+        stats = drafter.last_generation_stats
+        result["stats"] = [stats.accepted_per_step, stats.proposed_per_step, stats.skipped_steps]
+    return result
 
 
 class OnRankOne:
@@ -82,6 +87,19 @@ def run_layout(target, drafter, inputs: dict) -> dict[str, dict]:
 
     record("plain", lambda: generate(**GREEDY))
     record("greedy", lambda: generate(**GREEDY, assistant_model=drafter))
+    last_forward = drafter.last_generation_stats.target_forwards
+
+    # Rank 1's target picks another token at the call's last forward only: the last step's verdict differs there
+    forwards = []
+
+    def other_last_token(module, inputs, output):
+        forwards.append(1)
+        if len(forwards) == last_forward:
+            output.logits[..., 1] += 1e4
+        return output
+
+    with OnRankOne(target, other_last_token):
+        record("verdict differs at the last step", lambda: generate(**GREEDY, assistant_model=drafter))
 
     # Rank 1's random stream moves on at every target forward, mid-call
     torch.manual_seed(7)
@@ -138,7 +156,7 @@ def drafts_differ(target, drafter, inputs: dict) -> dict[str, dict]:
 
     plain = outcome(lambda: target.generate(**inputs, **GREEDY))
     with OnRankOne(drafter, reversed_states):
-        differ = outcome(lambda: target.generate(**inputs, **GREEDY, assistant_model=drafter))
+        differ = outcome(lambda: target.generate(**inputs, **GREEDY, assistant_model=drafter), drafter)
     return {"plain, shipped pair": plain, "drafts differ, shipped pair": differ}
 
 

@@ -3,7 +3,6 @@ waits on the device) a fixed number of times a step, whatever the number of rows
 the pipeline; on this CPU it costs nothing measurable, so it is counted instead of timed."""
 
 import pytest
-import torch
 from test_batched import PAD, built_targets, drafter_for, left_padded_batch  # noqa: F401
 from torch.overrides import TorchFunctionMode
 

@@ -56,6 +56,21 @@ def test_drafts_that_differ_on_one_rank_mid_call_are_rank_zeros_everywhere(ranks
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_drafts_that_differ_on_one_rank_leave_every_rank_rank_zeros_schedule_and_stats(ranks, layout):
+    """Rank 1's drafter is confident otherwise (the default, adaptive schedule): every rank's schedule still learns
+    from rank 0's confidences, so both skip and verify alike and report the same stats."""
+    first, second = both(ranks, "drafts differ, shipped pair", layout)
+    assert first["stats"] == second["stats"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_verdict_that_differs_at_the_last_step_raises_on_every_rank(ranks, layout):
+    """No step after the last would compare the ranks' tokens: a final check does."""
+    for outcome in both(ranks, "verdict differs at the last step", layout):
+        assert "hold different tokens" in outcome["error"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_drafter_set_to_another_length_on_one_rank_raises_on_every_rank(ranks, layout):
     for outcome in both(ranks, "drafter length", layout):
         assert outcome["error"].startswith("ValueError") and "drafter settings" in outcome["error"]
