@@ -37,7 +37,7 @@ from hf_hyperdflash.testing import (
 
 pytestmark = pytest.mark.compat  # touches transformers internals: `pytest -m compat`
 
-FAST_EXAMPLES = 3
+FAST_EXAMPLES = 1
 SLOW_EXAMPLES = 40
 NEW_TOKENS = 10
 BLOCK_SIZE = 5

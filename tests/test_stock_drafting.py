@@ -23,6 +23,12 @@ FAMILIES = {
     "hy_v4": tiny_hy_v4,
     "qwen4_exp": tiny_qwen4_exp,
 }
+# DeepSeek-V4 on the fast path; the other families, a few seconds a case, in CI (`-m slow`). Every family meets
+# prompt lookup and a stock assistant on the fast path in tests/test_lossless.py too.
+FAST_FAMILY = "deepseek_v4"
+EACH_FAMILY = [
+    pytest.param(family, marks=() if family == FAST_FAMILY else pytest.mark.slow) for family in sorted(FAMILIES)
+]
 SEEDS = {"deepseek_v4": range(4), "glm5_next": range(2), "hy_v4": range(2), "qwen4_exp": range(2)}
 NEW_TOKENS = 24
 OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_hidden_states=True, output_attentions=True)
@@ -47,7 +53,7 @@ def _drafting(kind: str, seed: int, target, family: str = "deepseek_v4") -> dict
     return {"assistant_model": assistant}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", EACH_FAMILY)
 @pytest.mark.parametrize("kind", ["prompt-lookup", "same-model"])  # another model: tests/test_lossless.py
 def test_stock_drafting_is_plain_greedy_decoding(family, kind):
     forwards, target_forwards = [], 0
@@ -119,7 +125,7 @@ def two_tokenizers():
     return target_tokenizer, assistant_tokenizer
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", EACH_FAMILY)
 @pytest.mark.parametrize("mode", ["other-tokenizer", "early-exit"])
 def test_the_other_stock_assisted_modes_are_exact_or_fail_as_without_the_package(family, mode, two_tokenizers):
     """transformers' other assisted modes: an assistant with another tokenizer (its drafts re-tokenized), and early

@@ -112,6 +112,7 @@ def test_interrupted_then_resumed_run_matches_an_uninterrupted_one(target, examp
         assert all(key.startswith("drafter.") for key in checkpoint.keys()), "the frozen target stays out"
 
 
+@pytest.mark.slow  # a training run; CI runs it (`-m slow`)
 def test_training_against_a_target_offloaded_to_disk(target, examples, tmp_path):
     """A target dispatched by accelerate (part on CPU, part on disk): the same losses as the in-memory target, and
     an interrupted run resumes exactly."""
@@ -230,6 +231,7 @@ def assert_heads_learn_and_decode_losslessly(target, examples, drafter, run_dir)
     return train
 
 
+@pytest.mark.slow  # a training run; CI runs it (`-m slow`)
 @pytest.mark.parametrize("conditioning", ["stream_mean", "pre_collapse"])
 def test_dspark_trains_with_deepspecs_objective_and_its_confidence_learns_the_acceptance(tmp_path, conditioning):
     """DeepSpec's terms (CE, the L1 distance to the target, the confidence head against 1 - L1 / 2) fall, with
@@ -251,6 +253,7 @@ def test_dspark_trains_with_deepspecs_objective_and_its_confidence_learns_the_ac
     assert train[-1]["l1"] < train[0]["l1"] - 0.2
 
 
+@pytest.mark.slow  # a training run; CI runs it (`-m slow`)
 def test_hyperdflash_with_dsparks_heads_trains_them_beside_its_own_objective(tmp_path):
     """markov_rank > 0: HyperDFlash's CE and KL on the Markov-biased logits, plus the confidence head's loss."""
     target, examples = peaked_target_and_examples()
@@ -261,6 +264,7 @@ def test_hyperdflash_with_dsparks_heads_trains_them_beside_its_own_objective(tmp
     assert "kl" in train[-1] and not torch.equal(drafter.markov_w2.weight, before)
 
 
+@pytest.mark.slow  # a training run; CI runs it (`-m slow`)
 def test_the_l1_term_enters_the_loss_by_its_weight_and_pulls_the_draft_to_the_target(tmp_path):
     """`l1_weight`: the acceptance-aligned term on a drafter without heads, added to CE + KL by its weight (0: not
     computed), and it falls when trained."""
@@ -300,6 +304,7 @@ def test_argmax_labels_are_the_targets_greedy_tokens_whatever_the_reply(tmp_path
         LossConfig(ce_label="sampled")
 
 
+@pytest.mark.slow  # a training run; CI runs it (`-m slow`)
 def test_each_head_alone_trains_the_other_off(tmp_path):
     """The heads' ablations: confidence_weight=0 freezes the confidence head as it started (the Markov bias alone);
     `without_markov_bias` keeps the bias at zero through training (the confidence head alone)."""
