@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         if args.output:
             args.output.write_text(json.dumps(results, indent=1))
+    dist.barrier()  # every rank done with the group before any tears it down (a rank once aborted in gloo's teardown)
     dist.destroy_process_group()
 
 

