@@ -32,8 +32,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from .draft_options import (
     ADAPTIVE_SCHEDULE,
     BLOCK_DRAFTER_TYPE,
@@ -245,18 +243,6 @@ class AcceptanceCalibration:
         b = self._bin(confidence)
         return self.accepted[b] / self.tried[b]
 
-    def expected_tokens(self, confidences: Sequence[Sequence[float]]) -> torch.Tensor:
-        """`expected_tokens` of each row's drafts at once, [B, K + 1] float64 (K: the longest row's drafts); a row
-        with fewer drafts repeats its last entry."""
-        lengths = torch.tensor([len(row) for row in confidences])
-        drafted = torch.arange(int(lengths.max()))[None] < lengths[:, None]
-        table = torch.zeros(drafted.shape, dtype=torch.float64)
-        table[drafted] = torch.tensor([value for row in confidences for value in row], dtype=torch.float64)
-        bins = (table * self.bins).long().clamp(max=self.bins - 1)
-        rates = torch.tensor(self.accepted, dtype=torch.float64) / torch.tensor(self.tried, dtype=torch.float64)
-        reach = (rates[bins] * drafted).cumprod(dim=1)
-        return torch.cat([torch.ones(len(confidences), 1, dtype=torch.float64), 1 + reach.cumsum(dim=1)], dim=1)
-
     def update(self, confidences: Sequence[float], proposed: int, accepted: int) -> None:
         """Drafts 1..accepted were accepted; draft accepted + 1, if verified, was rejected; later ones were unseen."""
         for position, confidence in enumerate(confidences[: min(accepted + 1, proposed)]):
@@ -324,21 +310,22 @@ class AdaptiveDraftPolicy(DraftPolicy):
         """The width with the best expected rate of new tokens per row: a row adds its bonus token plus the drafts
         it is expected to accept when the forward reaches its newest token (a row further ahead adds none), and every
         drafted position costs the batch `verify_cost`. Each row's drafts are verified as far as the forward reaches,
-        decided from confidences known before its tokens were drawn, as for one row. Computed for every row and
-        width at once (host work that does not loop over rows)."""
+        decided from confidences known before its tokens were drawn, as for one row. Each width's rate is computed
+        once, up to the first that does not rise: plain Python on the host, which for a batch's rows costs less than
+        tensor calls."""
         widest = super().choose_width(uncached, confidences)
-        if not widest:
-            return 0
-        reach = self.calibration.expected_tokens(confidences)  # [B, K + 1]
-        ahead = torch.tensor(uncached)[:, None]
-        widths = torch.arange(widest + 1)[None]
-        column = (widths - ahead + 1).clamp(0, reach.shape[1] - 1)
-        tokens = reach.gather(1, column) * (ahead <= widths + 1)
-        costs = torch.tensor([self.costs.step(1, width) for width in range(widest + 1)], dtype=torch.float64)
-        rates = (tokens.mean(dim=0) / costs).tolist()
-        best = 0  # the rate rises to its best width and then falls: stop where it first stops rising
-        while best < widest and rates[best + 1] > rates[best]:
-            best += 1
+        reach = [expected_tokens([self.calibration.probability(c) for c in row]) for row in confidences]
+        best, best_rate = 0, None  # the rate rises to its best width and then falls: stop where it first stops rising
+        for width in range(widest + 1):
+            tokens = sum(
+                row_reach[min(width - ahead + 1, len(row_reach) - 1)]
+                for ahead, row_reach in zip(uncached, reach, strict=True)
+                if ahead <= width + 1
+            )
+            rate = tokens / len(reach) / self.costs.step(1, width)
+            if best_rate is not None and rate <= best_rate:
+                break
+            best, best_rate = width, rate
         return max(best, 1) if self.probing else best
 
     def record(self, step: StepRecord) -> None:
