@@ -145,13 +145,14 @@ def run_layout(target, drafter, inputs: dict) -> dict[str, dict]:
 
 def drafts_differ(target, drafter, inputs: dict) -> dict[str, dict]:
     """A trained drafter (the shipped pair, whose drafts the target accepts) drafts otherwise on rank 1 from its
-    second forward on, mid-call: its hidden states are reversed."""
+    second forward on, mid-call: its hidden states are reversed, and with them its confidences."""
     forwards = []
 
     def reversed_states(module, inputs, output):
         forwards.append(1)
         if len(forwards) >= 2:
             output.last_hidden_state = output.last_hidden_state.flip(-1)
+            output.residual = output.residual.flip(-1)
         return output
 
     plain = outcome(lambda: target.generate(**inputs, **GREEDY))
