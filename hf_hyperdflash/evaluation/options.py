@@ -11,9 +11,10 @@ Greedy (T=0) outputs must be token-identical to plain decoding: the command exit
 samples with fixed seeds per prompt and repeat (losslessness in distribution is benchmarks/lossless.py's job).
 
 Defaults: the shipped reference target, tokenizer, native MTP and drafters (with --target: only the models
-named by flags); a shipped model that is not installed is skipped with a printed note. Prompt sets: humaneval and
-sharegpt (held-out) work offline; gsm8k, math500, aime25, mbpp, livecodebench and mtbench need `datasets` and
-network access, or a local JSONL file as NAME=PATH (formats in hf_hyperdflash.evaluation.datasets).
+named by flags); a shipped model that is not installed is skipped with a printed note. Prompt sets: humaneval,
+sharegpt (held-out) and copyedit (held-out replies in copy-heavy tasks) work offline; gsm8k, math500, aime25, mbpp,
+livecodebench and mtbench need `datasets` and network access, or a local JSONL file as NAME=PATH (formats in
+hf_hyperdflash.evaluation.datasets).
 Output: OUTPUT_DIR/report.md (also printed), results.json, acceptance.png.
 """
 
