@@ -17,6 +17,8 @@ per prompt set: tau of each source alone; the hindsight bound (each step the sou
 a chooser that decides before the target sees the step, from what it knows then: the drafter's expected tokens by its
 confidences calibrated on the steps so far (`AcceptanceCalibration`), against the copy's by the acceptance its
 matches of the same suffix length have had so far; with the share of the bound's gain over the drafter it reaches.
+Also the merged chain: the drafter's own, left to right, taking the copied token at each position while the drafter
+ranks it among its top 16 (a path over its top-k, as DFlash2 chooses one), and the bound of the three.
 A replay, not a timing: each step's cost is one verify forward either way.
 """
 
@@ -36,6 +38,7 @@ from hf_hyperdflash.modeling.targets import get_target_adapter
 
 DRAFTS = 7
 LONGEST_SUFFIX = 3
+TOP_K = 16  # a copied token joins the merged chain while the drafter ranks it among its top 16 (DFlash2's width)
 
 
 def copied_chain(tokens: list[int], length: int) -> tuple[list[int], int]:
@@ -49,10 +52,9 @@ def copied_chain(tokens: list[int], length: int) -> tuple[list[int], int]:
     return [], 0
 
 
-def drafter_blocks(
-    target, drafter, sequence: torch.LongTensor, first: int
-) -> tuple[list[list[int]], list[list[float]]]:
-    """The drafter's greedy chain and confidences at every anchor from column `first` on, in one forward."""
+def drafter_blocks(target, drafter, sequence: torch.LongTensor, first: int) -> tuple[list, list, list]:
+    """The drafter's greedy chain, its confidences and its merged chain (`merged_chain`) at every anchor from column
+    `first` on, from one forward."""
     adapter = get_target_adapter(target)
     with adapter.capture(None) as capture, torch.no_grad():
         target(sequence)
@@ -76,7 +78,24 @@ def drafter_blocks(
             confidences.append(drafter.confidence(residual[0, :, k], embedding))
             previous = (logits[:, k] + bias).argmax(dim=-1)
             tokens.append(previous)
-    return torch.stack(tokens, 1).tolist(), torch.stack(confidences, 1).tolist()
+        truth = sequence[0].tolist()
+        merged = [
+            merged_chain(drafter, logits[column - first], truth[column], copied_chain(truth[: column + 1], DRAFTS)[0])
+            for column in range(first, columns - 1)
+        ]
+    return torch.stack(tokens, 1).tolist(), torch.stack(confidences, 1).tolist(), merged
+
+
+def merged_chain(drafter, logits: torch.Tensor, anchor: int, copied: list[int]) -> list[int]:
+    """The drafter's chain, left to right with its Markov bias, taking the copied token at each position while the
+    drafter ranks it among its `TOP_K` there (once it does not, the copy is left: what follows no longer lines up)."""
+    chain, previous, following = [], anchor, True
+    for k in range(logits.shape[0]):
+        scores = logits[k] + drafter.markov(torch.tensor(previous))[0]
+        following = following and k < len(copied) and copied[k] in scores.topk(TOP_K).indices.tolist()
+        previous = copied[k] if following else int(scores.argmax())
+        chain.append(previous)
+    return chain
 
 
 def accepted(chain: list[int], truth: list[int]) -> int:
@@ -135,10 +154,10 @@ class Rates:
             self.accepted[j] += j < count
 
 
-RULES = ("drafter", "copy", "bound", "chooser", "chooser, first confidence")
+RULES = ("drafter", "copy", "bound", "chooser", "chooser, first confidence", "merged", "bound of three")
 
 
-def replay(truth: list[int], first: int, blocks: list[list[int]], confidences: list[list[float]]) -> dict[str, float]:
+def replay(truth: list[int], first: int, blocks: list, confidences: list, merged: list) -> dict[str, float]:
     """tau of each way of choosing a step's chain, stepping along the greedy `truth` from column `first`."""
     end = len(truth) - 1
     taus = {}
@@ -154,13 +173,16 @@ def replay(truth: list[int], first: int, blocks: list[list[int]], confidences: l
             drafted = blocks[column - first][: len(right)]
             by_drafter, by_copy = accepted(drafted, right), accepted(chain, right)
             conf = confidences[column - first][: len(right)]
+            by_merged = accepted(merged[column - first][: len(right)], right)
             if rule.startswith("chooser"):
                 choice = chooser.choose(conf, chain, suffix)
             elif rule == "bound":
                 choice = "copy" if by_copy > by_drafter else "drafter"
+            elif rule == "bound of three":
+                choice = max(("drafter", by_drafter), ("copy", by_copy), ("merged", by_merged), key=lambda x: x[1])[0]
             else:
-                choice = "copy" if rule == "copy" and chain else "drafter"
-            gained = by_copy if choice == "copy" else by_drafter
+                choice = rule if rule != "copy" or chain else "drafter"
+            gained = {"copy": by_copy, "merged": by_merged}.get(choice, by_drafter)
             chooser.learn(conf, drafted, chain, suffix, truth[column + 1 : column + 2 + gained])
             copied_steps += choice == "copy"
             column += gained + 1
@@ -183,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     drafter = AutoModel.from_pretrained(reference.drafter_path("hyperdflash"), dtype=torch.float32).eval()
     report = {"drafts": DRAFTS, "max_new_tokens": args.max_new_tokens, "sets": {}}
     columns = ["prompts", "drafter", "copy", "hindsight bound", "chooser (copied, share of the bound's gain)",
-               "chooser on first confidences (copied, share)"]  # fmt: skip
+               "chooser on first confidences (copied, share)", "merged", "bound of three"]  # fmt: skip
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for name in args.sets:
         per_prompt = []
@@ -196,8 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
             first = prompt["input_ids"].shape[1]  # the reply's first token, which the prefill gives
             if sequence.shape[1] - first < 3:
                 continue
-            blocks, confidences = drafter_blocks(target, drafter, sequence, first)
-            per_prompt.append(replay(sequence[0].tolist(), first, blocks, confidences))
+            blocks, confidences, merged = drafter_blocks(target, drafter, sequence, first)
+            per_prompt.append(replay(sequence[0].tolist(), first, blocks, confidences, merged))
         summary = {key: statistics.mean(taus[key] for taus in per_prompt) for key in per_prompt[0]}
         gain = summary["bound"] - summary["drafter"]
         for rule in ("chooser", "chooser, first confidence"):
@@ -211,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"| {summary[rule]:.2f} ({summary[rule + ' copied share']:.0%}, {summary[rule + ' bound share']:.0%}) "
                 for rule in ("chooser", "chooser, first confidence")
             )
-            + "|",
+            + f"| {summary['merged']:.2f} | {summary['bound of three']:.2f} |",
             flush=True,
         )
     print(json.dumps(report, indent=2))
