@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from .rank_agreement import RankAgreement, TokenDigest
+from .rank_agreement import RankAgreement, TokenDigest, floats_as_int64, int64_as_floats
 
 
 def packed(head: int, tokens: torch.LongTensor, size: int) -> torch.LongTensor:
@@ -29,14 +29,12 @@ def packed(head: int, tokens: torch.LongTensor, size: int) -> torch.LongTensor:
 
 
 def _floats_packed(values: list[float], size: int) -> torch.LongTensor:
-    """`values` (at most `size`), their count first, as the int64 bits of float64s padded to `size`."""
-    floats = torch.zeros(size, dtype=torch.float64)
-    floats[: len(values)] = torch.tensor(values, dtype=torch.float64)
-    return torch.cat([torch.tensor([len(values)]), floats.view(torch.int64)])
+    """`values` (at most `size`), their count first, then their bits padded to `size`."""
+    return torch.cat([torch.tensor([len(values)]), floats_as_int64(values + [0.0] * (size - len(values)))])
 
 
 def _floats_unpacked(packet: torch.LongTensor) -> list[float]:
-    return packet[1:].contiguous().view(torch.float64)[: int(packet[0])].tolist()
+    return int64_as_floats(packet[1:])[: int(packet[0])].tolist()
 
 
 def agree_on_drafts(generator, agreement: RankAgreement, most: int, sampling: bool) -> None:
@@ -119,4 +117,4 @@ def agree_on_sequences(agreement: RankAgreement, sequences: torch.LongTensor) ->
     digest = TokenDigest()
     digest.add(sequences.tolist())
     state = digest.state(list(sequences.shape))
-    agreement.decide("Finishing", lambda: torch.zeros(0, dtype=torch.long), 0, state=state)
+    agreement.compare("Finishing", state)

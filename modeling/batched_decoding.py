@@ -44,7 +44,7 @@ from .batch_rows import BatchRows
 from .batched_drafting import BatchDrafts, BlockDrafting, RowByRowDrafting, make_drafting
 from .candidate_generator import SpeculativeCandidateGenerator, TokenPicker
 from .draft_policy import BatchStepRecord, RowStep
-from .rank_agreement import RankAgreement, TokenDigest, stops_alike
+from .rank_agreement import RankAgreement, TokenDigest, floats_as_int64, int64_as_floats, stops_alike
 from .request_checks import left_padding
 from .target_base import HyperConnectionTarget
 from .transformers_compat import CACHE_ARGUMENT, STOCK_LINEAR_ATTENTION_ROLLBACK, cached_length
@@ -229,17 +229,13 @@ class BatchedSpeculativeLoop:
             return self._draft_here(cache_length)
         rows, drafts = self.rows, self.drafts
         mine: list[Step] = []
-        confidence_shape = drafts.confidences.shape
 
-        def drafted() -> torch.Tensor:
+        def drafted() -> torch.Tensor:  # the cut's confidences: each row's first `lengths[r]` of the table
             mine.append(step := self._draft_here(cache_length))
             usable = [drafts.usable(r, step.anchors[r]) for r in range(rows.batch)]
-            seen = torch.zeros(confidence_shape, dtype=torch.float64)
-            for row, confidences in enumerate(drafts.cut_confidences):
-                seen[row, : len(confidences)] = torch.tensor(confidences, dtype=torch.float64)
             lengths = [len(confidences) for confidences in drafts.cut_confidences]
             head = torch.tensor([step.width, *usable, *lengths])
-            return torch.cat([head, drafts.tokens.cpu().reshape(-1), _as_int64(seen.reshape(-1))])
+            return torch.cat([head, drafts.tokens.cpu().reshape(-1), floats_as_int64(drafts.confidences)])
 
         size = 1 + 2 * rows.batch + drafts.tokens.numel() + drafts.confidences.numel()
         decision = self.agreement.decide("Drafting", drafted, size, state=self.digest.state(rows.committed))
@@ -249,8 +245,8 @@ class BatchedSpeculativeLoop:
         lengths = decision[1 + rows.batch : 1 + 2 * rows.batch].tolist()
         tokens_end = 1 + 2 * rows.batch + drafts.tokens.numel()
         drafts.adopt(decision[1 + 2 * rows.batch : tokens_end].reshape(drafts.tokens.shape), usable, step.anchors)
-        seen = _from_int64(decision[tokens_end:]).reshape(confidence_shape).tolist()
-        drafts.cut_confidences = [row[:n] for row, n in zip(seen, lengths, strict=True)]
+        table = int64_as_floats(decision[tokens_end:]).reshape(drafts.confidences.shape).tolist()
+        drafts.cut_confidences = [row[:n] for row, n in zip(table, lengths, strict=True)]
         return step
 
     def _draft_here(self, cache_length: int) -> Step:
@@ -434,7 +430,7 @@ class BatchedSpeculativeLoop:
         """On a spread target: every rank committed the same tokens (else every rank raises)."""
         if self.agreement.spread:
             state = self.digest.state(self.rows.committed)
-            self.agreement.decide(what, lambda: torch.zeros(0, dtype=torch.long), 0, state=state)
+            self.agreement.compare(what, state)
 
     def _check_stops(self) -> dict[int, int]:
         """Show the criteria the lengths every row now holds (`BatchRows.check`); {row: stop length} of the rows
@@ -453,15 +449,6 @@ class BatchedSpeculativeLoop:
         if not self.agreement.decides:
             rows.adopt(stops, int(decision[0]))
         return stops
-
-
-def _as_int64(values: torch.Tensor) -> torch.LongTensor:
-    """float64 values as the int64 of their bits, to travel in a decision's packet."""
-    return values.to(torch.float64).view(torch.int64)
-
-
-def _from_int64(values: torch.LongTensor) -> torch.Tensor:
-    return values.contiguous().view(torch.float64)
 
 
 def rows_drafting(drafter, target: HyperConnectionTarget, request, max_draft: int) -> BlockDrafting | RowByRowDrafting:

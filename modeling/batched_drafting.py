@@ -9,10 +9,11 @@ the row commits again, and decides the step's verify width for the batch (`Batch
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 from transformers.generation import logits_process
 
-from .candidate_generator import BlockProposer, Draft, DraftRequest, Proposer, RowDrafts, TokenPicker, make_proposer
+from .candidate_generator import BlockProposer, DraftRequest, Proposer, RowDrafts, TokenPicker, make_proposer
 from .draft_policy import DraftPolicy
 from .target_base import HyperConnectionTarget
 
@@ -21,9 +22,8 @@ def right_aligned(ids: torch.LongTensor, lengths: torch.LongTensor, pad_id: int)
     """Each row's first `lengths[r]` tokens ([B] on the ids' device), right-aligned in one tensor (padding in front):
     every row's anchor is then the last column, as a proposer expects."""
     width = int(lengths.max())
-    columns = torch.arange(width, device=ids.device)[None] + (
-        lengths[:, None] - width
-    )  # negative: in front of the row
+    shift = lengths[:, None] - width
+    columns = torch.arange(width, device=ids.device)[None] + shift  # negative: in front of the row
     aligned = ids.gather(1, columns.clamp(min=0))
     return aligned.masked_fill(columns < 0, pad_id)
 
@@ -160,32 +160,18 @@ class RowByRowDrafting:
                 step.schedule,
             )
             self.seen[row] = step.anchors[row]
-        k = max(draft.tokens.shape[1] for draft in drafts.values())
-        lengths = [drafts[row].tokens.shape[1] if row in drafts else 0 for row in range(len(step.drafting))]
-        first = next(iter(drafts.values()))
-        empty = Draft(
-            step.ids.new_full((1, k), step.pad_id),
-            first.logits.new_zeros(1, k, first.logits.shape[-1]),
-            first.confidences.new_zeros(1, k),
-            0,
-        )
-        rows = [drafts.get(row, empty) for row in range(len(step.drafting))]
+        rows = range(len(step.drafting))
+        lengths = [drafts[row].tokens.shape[1] if row in drafts else 0 for row in rows]
 
-        def stacked(field: str, fill: float) -> torch.Tensor:
-            return torch.cat([_padded_to(getattr(draft, field), k, fill) for draft in rows])
+        def stacked(field: str, fill: float) -> torch.Tensor:  # every row's [n, ...], padded after its n entries
+            some = getattr(next(iter(drafts.values())), field)[0]
+            per_row = [getattr(drafts[row], field)[0] if row in drafts else some[:0] for row in rows]
+            return pad_sequence(per_row, batch_first=True, padding_value=fill)
 
         forwards = max(draft.drafter_forwards for draft in drafts.values())
         return RowDrafts(
             stacked("tokens", step.pad_id), stacked("logits", 0.0), lengths, stacked("confidences", 0.0), forwards
         )
-
-
-def _padded_to(tensor: torch.Tensor, k: int, fill: float) -> torch.Tensor:
-    """`tensor` [1, n, ...] with `fill` after its n entries along dim 1, to k."""
-    missing = k - tensor.shape[1]
-    if not missing:
-        return tensor
-    return torch.cat([tensor, tensor.new_full((1, missing, *tensor.shape[2:]), fill)], dim=1)
 
 
 def make_drafting(

@@ -412,9 +412,17 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         target features kept so far; those the rows' drafting no longer needs are let go."""
         features = self.features
         request = DraftRequest(
-            features.read(), features.start, anchors, ids, drafting, num_tokens, cache_length, self.pick,
-            self.schedule, pad_id,
-        )  # fmt: skip
+            features=features.read(),
+            first_column=features.start,
+            anchors=anchors,
+            ids=ids,
+            drafting=drafting,
+            num_tokens=num_tokens,
+            cache_length=cache_length,
+            pick=self.pick,
+            schedule=self.schedule,
+            pad_id=pad_id,
+        )
         drafted = self.proposer.propose(request)
         features.drop_before(self.proposer.first_needed_column(cache_length))
         return drafted

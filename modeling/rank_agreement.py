@@ -154,6 +154,10 @@ class RankAgreement:
             )
         return packet[1 + 2 * n :]
 
+    def compare(self, what: str, state: torch.Tensor) -> None:
+        """Every rank holds the same `state` (else every rank raises), with no decision: one collective."""
+        self.decide(what, lambda: torch.zeros(0, dtype=torch.long), 0, state=state)
+
     def first_decides(self, what: str, action: Callable[[], T]) -> T:
         """`action()` on rank 0 (a picklable result), handed to every rank; an error there raises on every rank. For
         work done once per call by one process, such as reading and checking a shard."""
@@ -175,6 +179,15 @@ class RankAgreement:
 def stops_alike(criteria) -> bool:
     """Every criterion is a function of the tokens, so ranks holding the same tokens stop alike without agreeing."""
     return all(isinstance(criterion, TOKEN_CRITERIA) for criterion in criteria)
+
+
+def floats_as_int64(values: torch.Tensor | list[float]) -> torch.LongTensor:
+    """Floats as the int64 bits of their float64 values, to travel in a decision's packet (`int64_as_floats`)."""
+    return torch.as_tensor(values, dtype=torch.float64).cpu().reshape(-1).view(torch.int64)
+
+
+def int64_as_floats(packet: torch.LongTensor) -> torch.Tensor:
+    return packet.contiguous().view(torch.float64)
 
 
 class TokenDigest:
