@@ -3,9 +3,10 @@ rank 0's (`RankAgreement.decide`).
 
 - Drafts: every rank drafts; rank 0's drafts and their length replace the others' before the verify forward (one
   collective; with it a digest of every rank's tokens, so ranks that parted raise, and for this package's drafters
-  what rank 0's schedule learns from the step, so every rank's schedule and stats stay rank 0's). A greedy step needs
-  nothing more: its verdict is a function of the target's logits, which a tensor-parallel reduction hands every
-  rank alike. After the last step the ranks compare their sequences once more (`agree_on_sequences`).
+  what rank 0's schedule learns from the step and whether its drafts were copied from the context, so every
+  rank's schedule and stats stay rank 0's). A greedy step needs nothing more: its verdict is a function of the
+  target's logits, which a tensor-parallel reduction hands every rank alike. After the last step the ranks compare
+  their sequences once more (`agree_on_sequences`).
 - Sampling verdict: rank 0 runs transformers' `_speculative_sampling` and every rank keeps its accepted tokens and
   bonus token (a second collective). Steps without drafts and drafts without drafter logits (prompt lookup) go the
   same way, with transformers' own rule for them, so no rank samples a token on its own.
@@ -45,7 +46,7 @@ def agree_on_drafts(generator, agreement: RankAgreement, most: int, sampling: bo
     probabilities, drafter forwards)."""
     get_candidates = generator.get_candidates
     learns = hasattr(generator, "confidences")  # a stock generator (prompt lookup) keeps no schedule of its own
-    size = 1 + most + (1 + 2 * (1 + most) if learns else 0)
+    size = 1 + most + (2 + 2 * (1 + most) if learns else 0)
     digest, hashed = TokenDigest(), [0]
 
     def candidates(input_ids: torch.LongTensor, *args, **kwargs):
@@ -59,7 +60,7 @@ def agree_on_drafts(generator, agreement: RankAgreement, most: int, sampling: bo
             if not learns:
                 return head
             step = [
-                torch.tensor([generator.drafter_forwards]),
+                torch.tensor([generator.drafter_forwards, generator.copied]),
                 _floats_packed(generator.confidences, most),
                 _floats_packed(generator.token_probabilities, most),
             ]
@@ -71,9 +72,9 @@ def agree_on_drafts(generator, agreement: RankAgreement, most: int, sampling: bo
         count = int(decision[0])
         if learns:
             rest = decision[1 + most :]
-            generator.drafter_forwards, generator.last_proposed = int(rest[0]), count
-            generator.confidences = _floats_unpacked(rest[1 : 2 + most])
-            generator.token_probabilities = _floats_unpacked(rest[2 + most :])
+            generator.drafter_forwards, generator.copied, generator.last_proposed = int(rest[0]), bool(rest[1]), count
+            generator.confidences = _floats_unpacked(rest[2 : 3 + most])
+            generator.token_probabilities = _floats_unpacked(rest[3 + most :])
         drafts = decision[1 : 1 + count].to(input_ids.device)
         ids, logits = local
         if not torch.equal(ids[0, input_ids.shape[1] :], drafts):

@@ -259,8 +259,10 @@ class BatchedSpeculativeLoop:
         if final is not None and min(rows.committed) >= final:  # every column is known: feed the rest, no drafts
             return Step(final - 1 - cache_length, uncached, anchors, 0)
         room = self.config.max_length - 2 - cache_length  # no row may commit past max_length
-        most = generator.draft_budget(room)
-        if not most:
+        most, drafts = generator.draft_budget(room)
+        if not drafts:
+            if most > 0:
+                generator.skip()
             return Step(1, uncached, anchors, 0)
         drafting = [
             not rows.ended(r) and self.context_end[r] == anchors[r] and self.drafts.stale(r, anchors[r])

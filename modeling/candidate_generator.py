@@ -16,6 +16,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache_deepseek_v4 import RewindableDeepseekV4Cache
+from .context_copy import ChainChooser, SuffixIndex
 from .draft_options import BLOCK_DRAFTER_TYPE, DSPARK_DRAFTER_TYPE
 from .draft_policy import BatchStepRecord, ConfidenceThreshold, DraftPolicy, StepRecord
 from .feature_capture import FeatureCapture
@@ -362,12 +363,16 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         threshold: ConfidenceThreshold | None,
         stats: GenerationStats,
         whole_blocks: bool = False,
+        chooser: ChainChooser | None = None,
     ):
         """`proposer`: a `Proposer`, or for a batch its rows' drafting (`batched_drafting.py`); `whole_blocks`: a
-        batch's blocks are drawn whole and cut for the batch afterwards (`StepSchedule`)."""
+        batch's blocks are drawn whole and cut for the batch afterwards (`StepSchedule`); `chooser`: steps may verify
+        a chain copied from the context instead of the drafter's (`context_copy.py`; None: the drafter's only)."""
         self.proposer, self.capture, self.pick, self.stats = proposer, capture, pick, stats
         self.policy, self.threshold, self.max_length = policy, threshold, max_length
         self.schedule = StepSchedule(policy, threshold, whole_blocks)
+        self.chooser = chooser
+        self.index = SuffixIndex()  # one row's tokens (a batch keeps one per row)
         self.prompt_length = prompt_length
         self.features = TargetFeatures(0)
         self.forward_start = 0  # the first column the latest target forward fed
@@ -388,16 +393,16 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         """After a target forward: its features, from the column it started at."""
         self.features.write(self.forward_start, self.capture.features())
 
-    def draft_budget(self, room: int) -> int:
-        """How many tokens the next step drafts at most, with `room` tokens left before the length limit; 0: the step
-        decodes without the drafter (counted as skipped when the policy chose so)."""
+    def draft_budget(self, room: int) -> tuple[int, bool]:
+        """How many drafts the next step may verify, with `room` tokens left before the length limit, and whether the
+        policy runs the drafter for it. A step it does not may still verify tokens copied from the context; one that
+        verifies none though it had room is counted as skipped (`skip`)."""
         most = min(self.policy.draft_length, room)
-        if most <= 0:
-            return 0
-        if not self.policy.should_draft():
-            self.stats.skipped_steps += 1
-            return 0
-        return most
+        return most, most > 0 and self.policy.should_draft()
+
+    def skip(self) -> None:
+        """The step decodes plainly where the policy chose not to draft."""
+        self.stats.skipped_steps += 1
 
     def draft_rows(
         self,
@@ -435,15 +440,20 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         if step is not None:
             self.policy.record_batch(step)
 
-    def record_verified(self, proposed: int, accepted: int) -> None:
-        """A verify step's drafts: how many the target saw and how many it accepted."""
+    def record_verified(self, proposed: int, accepted: int, copied: bool = False) -> None:
+        """A verify step's drafts: how many the target saw, how many it accepted, and whether the context gave them."""
         self.stats.proposed_per_step.append(proposed)
         self.stats.accepted_per_step.append(accepted)
+        self.stats.copied_per_step.append(copied)
 
     def _new_step(self, decoding: bool = True) -> None:
         self.confidences: list[float] = []
         self.token_probabilities: list[float] = []
         self.last_proposed = self.last_accepted = self.drafter_forwards = 0
+        self.copied = False  # the step verifies a chain copied from the context
+        self.policy_learns = True  # the policy learns from the step (it ran, or chose not to run, the drafter)
+        self.drafted: list[int] = []  # the drafter's chain, verified or not
+        self.context_chain: tuple[list[int], int] = ([], 0)  # what the context offered, and the suffix it matched
         self.is_decoding_step = decoding  # the prefill is no decoding step: the policy does not learn from it
 
     def get_candidates(
@@ -471,14 +481,29 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         # (bonus) token of input_ids are verified now. The next forward starts at that token.
         self.keep_forward_features()
         anchor = self.forward_start = input_ids.shape[1] - 1
-        num_tokens = self.draft_budget(self.max_length - input_ids.shape[1] - 1)
-        if not num_tokens:
+        most, drafts = self.draft_budget(self.max_length - input_ids.shape[1] - 1)
+        self.policy_learns = drafts  # a step copied while the policy waits is no drafted step of its
+        chooser = self.chooser
+        if chooser is not None and most > 0:
+            self.context_chain = chain, suffix = self.index.continuation(most)
+            copied = chooser.copies_first(len(chain), suffix, most if drafts else 0)
+            if copied:
+                return self._copy(input_ids, copied)
+        if not drafts:
+            if most > 0:
+                self.skip()
             return input_ids, None
+        num_tokens = most
         context = self.features.read(anchor)
         positions = torch.arange(self.features.start, anchor, device=input_ids.device)[None]
         self.features.drop_before(anchor)
         draft = self.proposer.propose(context, positions, input_ids, num_tokens, self.pick, self.schedule)
         self.confidences, self.drafter_forwards = draft.confidences[0].tolist(), draft.drafter_forwards
+        if chooser is not None:
+            self.drafted = draft.tokens[0].tolist()
+            copied = chooser.copies_after(self.confidences[0], num_tokens, len(chain), suffix)
+            if copied:
+                return self._copy(input_ids, copied)
         self.last_proposed = min(self.policy.choose(self.confidences), draft.tokens.shape[1])
         if self.threshold is not None:
             self.token_probabilities = draft.token_probabilities[: self.last_proposed]
@@ -488,14 +513,35 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         tokens, logits = draft.tokens[:, : self.last_proposed], draft.logits[:, : self.last_proposed]
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1), logits
 
+    def _copy(self, input_ids: torch.LongTensor, length: int) -> tuple[torch.LongTensor, None]:
+        """The step verifies the context's chain's first `length` tokens. No drafter logits: transformers then checks
+        them against the target's own choice at each position (sampled when sampling), which is speculative sampling
+        with q one-hot at the copied tokens."""
+        self.copied, self.last_proposed = True, length
+        tokens = torch.tensor([self.context_chain[0][:length]], device=input_ids.device)
+        return torch.cat([input_ids, tokens], dim=-1), None
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        """After every target forward: the step's outcome for the stats, and for the policy to learn from."""
+        """After every target forward: the step's outcome for the stats, and for the policy and chooser to learn."""
         self.last_accepted = int(num_matches)
         if self.last_proposed:
-            self.record_verified(self.last_proposed, self.last_accepted)
-            if self.threshold is not None:
+            self.record_verified(self.last_proposed, self.last_accepted, self.copied)
+            if self.threshold is not None and not self.copied:
                 self.threshold.record(self.token_probabilities[: self.last_proposed], self.last_accepted)
         self.stats.new_tokens = input_ids.shape[1] - self.prompt_length
-        if self.is_decoding_step:
-            step = StepRecord(self.confidences, self.last_proposed, self.last_accepted, self.drafter_forwards)
+        if self.chooser is not None:
+            self._learn_chains(input_ids)
+        if self.is_decoding_step and self.policy_learns:
+            confidences = [] if self.copied else self.confidences  # a copied chain says nothing of them
+            step = StepRecord(confidences, self.last_proposed, self.last_accepted, self.drafter_forwards)
             self.policy.record(step)
+
+    def _learn_chains(self, input_ids: torch.LongTensor) -> None:
+        """The row's new tokens into its index; what they tell the chooser of each chain the step had."""
+        known = input_ids[0, len(self.index.tokens) :].tolist()
+        if self.is_decoding_step:
+            chain, suffix = self.context_chain
+            self.chooser.learn_copy(chain, suffix, known)
+            if self.drafted:
+                self.chooser.learn_drafter(self.confidences[0], self.drafted, known)
+        self.index.extend(known)

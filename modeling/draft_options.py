@@ -51,6 +51,10 @@ DRAFT_COSTS_BY_DEVICE = {
     },
 }
 
+# `drafter.generation_config.draft_from_context` (default True): each step may verify a chain copied from the context
+# (the prompt and the reply so far) instead of the drafter's (`context_copy.py`); False: the drafter's only
+DRAFT_FROM_CONTEXT = "draft_from_context"
+
 DEFAULT_MTP_DEPTH = 3  # drafts per step of a native MTP drafter, V4's reference setting
 # The deepest a schedule that grows the draft length ("heuristic") takes a native MTP drafter: transformers' stock
 # assistants have no such limit, but a call sizes its rollback history for its longest draft. V4's MTP has its

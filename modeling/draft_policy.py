@@ -329,7 +329,7 @@ class AdaptiveDraftPolicy(DraftPolicy):
         return max(best, 1) if self.probing else best
 
     def record(self, step: StepRecord) -> None:
-        if not step.drafter_forwards:
+        if not (step.drafter_forwards or step.proposed):  # a plain step
             return
         self.calibration.update(step.confidences, step.proposed, step.accepted)
         self._learn_pace(step.accepted + 1, self.costs.step(step.drafter_forwards, step.proposed))

@@ -59,6 +59,8 @@ class GenerationStats:
     accepted_per_step: list[int] = field(default_factory=list)
     proposed_per_step: list[int] = field(default_factory=list)
     skipped_steps: int = 0  # steps after the prefill that decoded plainly, without a drafter forward
+    # per verify step (beside accepted_per_step): whether its drafts were copied from the context, not the drafter's
+    copied_per_step: list[bool] = field(default_factory=list)
     # A batch: per row, the tokens it committed per verify step while it generated (`BatchRows.row_taus`); the
     # batch's own tau above counts the positions its shared cache advanced per step
     row_taus: list[float] = field(default_factory=list)
@@ -96,10 +98,22 @@ class GenerationStats:
     def acceptance_per_position(self) -> list[float]:
         return acceptance_per_position(self.accepted_per_step, self.proposed_per_step)
 
+    @property
+    def copied_steps(self) -> int:
+        """Verify steps whose drafts were copied from the context."""
+        return sum(self.copied_per_step)
+
+    def source_tau(self, copied: bool) -> float:
+        """tau of the verify steps whose drafts came from the context (`copied`) or from the drafter."""
+        return mean_accepted_length(
+            [a for a, c in zip(self.accepted_per_step, self.copied_per_step, strict=True) if c == copied]
+        )
+
     def __repr__(self) -> str:
         acceptance = ", ".join(f"{rate:.2f}" for rate in self.acceptance_per_position)
         return (
             f"GenerationStats(tau={self.mean_accepted_length:.2f}, acceptance_per_position=[{acceptance}], "
             f"drafted_per_step={self.drafted_per_step:.2f}, skipped_share={self.skipped_share:.2f}, "
+            f"copied_steps={self.copied_steps}, "
             f"target_forwards={self.target_forwards}, new_tokens={self.new_tokens}, seconds={self.seconds:.2f})"
         )

@@ -33,6 +33,7 @@ from . import call_scope
 from .agreed_steps import agree_on_drafts, agree_on_sequences, rank_zero_verdict
 from .batched_decoding import EXTRA_VERIFY_WIDTH, batched_generate, rows_drafting
 from .candidate_generator import SpeculativeCandidateGenerator, TokenPicker, make_proposer, proposer_class
+from .context_copy import chain_chooser
 from .draft_options import DRAFTER_TYPES
 from .draft_policy import CallSchedule
 from .generation_stats import GenerationStats, synchronized_clock
@@ -45,6 +46,7 @@ from .request_checks import (
     check_compatible,
     check_confidence_threshold,
     check_prompt,
+    draft_from_context,
     draft_schedule,
     is_batched,
     num_draft_tokens,
@@ -262,6 +264,7 @@ class CallPlan:
     schedule: CallSchedule
     batched: bool
     agreement: RankAgreement
+    copies: bool  # steps may verify a chain copied from the context (`draft_from_context`)
 
 
 def _plan_call(request: GenerateRequest, drafter: PreTrainedModel, agreement: RankAgreement) -> CallPlan:
@@ -273,6 +276,7 @@ def _plan_call(request: GenerateRequest, drafter: PreTrainedModel, agreement: Ra
     draft_length = num_draft_tokens(drafter)
     schedule_name = draft_schedule(drafter)
     check_confidence_threshold(drafter)
+    copies = draft_from_context(drafter)
     refuse_incompatible_options(request.generation_config, drafter)
     check_prompt(request.input_ids)
     batched = is_batched(request.input_ids, request.generation_config.num_return_sequences)
@@ -284,7 +288,7 @@ def _plan_call(request: GenerateRequest, drafter: PreTrainedModel, agreement: Ra
     rows = request.input_ids.shape[0] * (request.generation_config.num_return_sequences or 1)
     rows_together = proposer_class(drafter).drafts_rows_together
     schedule = CallSchedule(schedule_name, drafter, request.model, draft_length, (rows, not rows_together))
-    return CallPlan(target, schedule, batched, agreement)
+    return CallPlan(target, schedule, batched, agreement, copies)
 
 
 def speculative_generate(original_generate: Callable, request: GenerateRequest, drafter: PreTrainedModel):
@@ -312,6 +316,7 @@ def speculative_generate(original_generate: Callable, request: GenerateRequest, 
         threshold=None if batched else schedule.threshold,  # refused with several rows (`request_checks.py`)
         stats=stats,
         whole_blocks=batched,
+        chooser=chain_chooser(schedule.policy) if plan.copies else None,
     )
     if batched:
         cache = _call_cache(target, request.cache, max_draft + EXTRA_VERIFY_WIDTH)  # a batch's forward reaches past

@@ -10,7 +10,14 @@ import torch
 from transformers import Cache, GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
-from .draft_options import BLOCK_DRAFTER_TYPE, DEFAULT_MTP_DEPTH, DSPARK_DRAFTER_TYPE, MTP_DRAFTER_TYPE, SCHEDULES
+from .draft_options import (
+    BLOCK_DRAFTER_TYPE,
+    DEFAULT_MTP_DEPTH,
+    DRAFT_FROM_CONTEXT,
+    DSPARK_DRAFTER_TYPE,
+    MTP_DRAFTER_TYPE,
+    SCHEDULES,
+)
 from .target_architecture import target_fingerprint
 from .target_base import HyperConnectionTarget
 from .transformers_compat import cached_length
@@ -97,6 +104,20 @@ def draft_schedule(drafter: PreTrainedModel) -> str:
             "`num_assistant_tokens`."
         )
     return schedule
+
+
+def draft_from_context(drafter: PreTrainedModel) -> bool:
+    """`drafter.generation_config.draft_from_context`: True (or unset) lets a step verify a chain copied from the
+    context instead of the drafter's."""
+    value = getattr(getattr(drafter, "generation_config", None), DRAFT_FROM_CONTEXT, None)
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"`drafter.generation_config.{DRAFT_FROM_CONTEXT}` must be True (each step may verify tokens copied from "
+            f"the prompt and the reply so far instead of the drafter's) or False (the drafter's only), got {value!r}."
+        )
+    return value
 
 
 def check_confidence_threshold(drafter: PreTrainedModel) -> None:

@@ -315,7 +315,8 @@ def test_adaptive_is_the_default_and_an_untrained_drafter_drafts_on_few_steps(ti
     plain = tiny_target.generate(prompt, max_new_tokens=80, do_sample=False)
     assert torch.equal(tiny_target.generate(prompt, assistant_model=drafter, max_new_tokens=80), plain)
     stats = drafter.last_generation_stats
-    assert stats.schedule == "adaptive" and stats.skipped_share > 0.8
+    drafter_steps = len(stats.proposed_per_step) - stats.copied_steps  # copies from the context cost no forward
+    assert stats.schedule == "adaptive" and drafter_steps < 0.2 * stats.decoding_steps
 
 
 def test_a_drafter_that_is_mostly_right_drafts_on_nearly_every_step(tiny_target):
