@@ -3,6 +3,7 @@
     python benchmarks/batched.py                          # CPU: fp32, batches 1 2 4 8 16 32
     python benchmarks/batched.py --device cuda            # a GPU: bf16, the same table
     python benchmarks/batched.py --batch-sizes 4 16 --schedules constant
+    python benchmarks/batched.py --batch-sizes 4 16 --schedules adaptive --drafter-only   # with and without copies
     python benchmarks/batched.py --target DIR --drafter-dir DIR      # another pair with the shipped tokenizer
 
 The shipped reference target and drafter on held-out ShareGPT prompts, tokenized with the chat template and
@@ -19,7 +20,9 @@ Per (schedule, batch size), over `--groups` batches of distinct prompts:
   loses from what padding costs (a left-padded V4 row's features are not its features alone: its compressors pool
   the padding, as in plain batched decoding);
 - row tau: tokens a row commits per verify step while it generates, beside the same rows' tau alone;
-- identical: batches token-identical to plain batched decoding.
+- identical: batches token-identical to plain batched decoding (with `--drafter-only`, both speculative calls);
+- with `--drafter-only`: the share of row steps that verified a chain copied from the context, the drafter-only
+  calls' speed over plain decoding, and the default's speed over the drafter-only calls (medians over batches).
 
 Ends with one JSON object of the same numbers.
 """
@@ -75,8 +78,10 @@ class Runner:
         output = self.target.generate(**inputs, generation_config=self.generation_config)
         return synchronized_clock() - start, output
 
-    def speculative(self, inputs: dict, schedule: str) -> tuple[float, torch.Tensor]:
+    def speculative(self, inputs: dict, schedule: str, copies: bool = True) -> tuple[float, torch.Tensor]:
+        """`copies`: steps may verify chains copied from the context (`draft_from_context`, the default)."""
         self.drafter.generation_config.num_assistant_tokens_schedule = schedule
+        self.drafter.generation_config.draft_from_context = copies
         start = synchronized_clock()
         output = self.target.generate(**inputs, generation_config=self.generation_config, assistant_model=self.drafter)
         return synchronized_clock() - start, output
@@ -99,30 +104,50 @@ class Runner:
         return steps
 
 
-def measure(runner: Runner, inputs_list: list[dict], schedule: str, repeats: int) -> dict:
-    """Speculative batched decoding on the batches, interleaved with plain decoding."""
+def measure(runner: Runner, inputs_list: list[dict], schedule: str, repeats: int, drafter_only: bool) -> dict:
+    """Speculative batched decoding on the batches, interleaved with plain decoding (and, with `drafter_only`, with
+    speculative decoding whose steps verify the drafter's drafts only: "before" the context's chains)."""
     result = {"ratios": [], "taus": [], "kept": [], "kept_padded": [], "row_taus": [], "identical": 0}
+    result |= {"drafter_only_ratios": [], "over_drafter_only": [], "copied": []}
     alone_taus = []
     for inputs in inputs_list:
         alone = runner.alone(inputs, schedule)
         slowest_alone = max(steps for steps, _ in alone)
         slowest_padded = max(runner.padded_alone(inputs, schedule)) if len(alone) > 1 else slowest_alone
         alone_taus += [tau for _, tau in alone]
-        times = {"plain": [], "speculative": []}
-        for _ in range(repeats):  # interleaved: a slow spell of the machine hits both sides
+        times = {"plain": [], "speculative": [], "drafter_only": []}
+        same = True
+        for _ in range(repeats):  # interleaved: a slow spell of the machine hits every side
             seconds, plain = runner.plain(inputs)
             times["plain"].append(seconds)
+            if drafter_only:
+                seconds, before = runner.speculative(inputs, schedule, copies=False)
+                times["drafter_only"].append(seconds)
+                same = same and torch.equal(plain, before)
             seconds, speculative = runner.speculative(inputs, schedule)
             times["speculative"].append(seconds)
         stats = runner.drafter.last_generation_stats
+        row_steps = len(stats.accepted_by_source["drafter"]) + stats.copied_steps
+        result["copied"].append(stats.copied_steps / row_steps if row_steps else 0.0)
+        if drafter_only:
+            median = {side: statistics.median(seconds) for side, seconds in times.items()}
+            result["drafter_only_ratios"].append(median["plain"] / median["drafter_only"])
+            result["over_drafter_only"].append(median["drafter_only"] / median["speculative"])
         result["ratios"].append(statistics.median(times["plain"]) / statistics.median(times["speculative"]))
         result["taus"].append(stats.mean_accepted_length if stats.accepted_per_step else 1.0)
         result["kept"].append(slowest_alone / stats.decoding_steps)
         result["kept_padded"].append(slowest_padded / stats.decoding_steps)
         result["row_taus"].append(stats.row_tau if len(stats.row_taus) > 1 else stats.mean_accepted_length)
-        result["identical"] += bool(torch.equal(plain, speculative))
+        result["identical"] += bool(same and torch.equal(plain, speculative))
     ratio, low, high = median_with_interval(result["ratios"])
+    extra = {}
+    if drafter_only:
+        for name in ("drafter_only_ratios", "over_drafter_only"):
+            median, low_, high_ = median_with_interval(result[name])
+            extra[name] = {"ratio": median, "interval": [low_, high_]}
     return {
+        **extra,
+        "copied_share": statistics.mean(result["copied"]),
         "ratio": ratio,
         "interval": [low, high],
         "tau": statistics.mean(result["taus"]),
@@ -132,6 +157,15 @@ def measure(runner: Runner, inputs_list: list[dict], schedule: str, repeats: int
         "row_tau_alone": statistics.mean(alone_taus),
         "identical": f"{result['identical']}/{len(inputs_list)}",
     }
+
+
+def _before_cells(row: dict) -> str:
+    """The --drafter-only columns: copied share of row steps, drafter-only speed over plain, the default's over it."""
+    cells = [f"{row['copied_share']:.0%}"]
+    for name in ("drafter_only_ratios", "over_drafter_only"):
+        low, high = row[name]["interval"]
+        cells.append(f"{row[name]['ratio']:.2f}x ({low:.2f}-{high:.2f})")
+    return " " + " | ".join(cells) + " |"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -147,6 +181,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--threads", type=int, default=2, help="torch threads on CPU")
+    parser.add_argument(
+        "--drafter-only",
+        action="store_true",
+        help="also time each batch with steps that verify the drafter's drafts only (`draft_from_context=False`), "
+        "interleaved: the default's speed over it, before and after the context's chains, in one run",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("No CUDA device here; run with --device cpu.")
@@ -167,17 +207,20 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"device": device_name, "dtype": str(dtype), "target": str(target_dir), "drafter": str(drafter_dir)}
     report |= {**size, "rows": []}
     columns = ["schedule", "batch", "ratio (95% CI)", "tau", "tau kept (padded)", "row tau (alone)", "identical"]
+    if args.drafter_only:
+        columns += ["copied", "drafter only: ratio (95% CI)", "over drafter only (95% CI)"]
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for schedule in args.schedules:
         for batch_size in args.batch_sizes:
             inputs_list = batches(tokenizer, batch_size, size["groups"], args.device)
-            row = measure(runner, inputs_list, schedule, size["repeats"])
+            row = measure(runner, inputs_list, schedule, size["repeats"], args.drafter_only)
             report["rows"].append({"schedule": schedule, "batch": batch_size, **row})
             low, high = row["interval"]
             print(
                 f"| {schedule} | {batch_size} | {row['ratio']:.2f}x ({low:.2f}-{high:.2f}) "
                 f"| {row['tau']:.2f} | {row['tau_kept']:.2f} ({row['tau_kept_padded']:.2f}) "
-                f"| {row['row_tau']:.2f} ({row['row_tau_alone']:.2f}) | {row['identical']} |",
+                f"| {row['row_tau']:.2f} ({row['row_tau_alone']:.2f}) | {row['identical']} |"
+                + (_before_cells(row) if args.drafter_only else ""),
                 flush=True,
             )
     print(json.dumps(report, indent=2))

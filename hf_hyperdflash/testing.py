@@ -379,6 +379,36 @@ def oracle_drafting(oracle: OracleProposer) -> Iterator[OracleProposer]:
         BlockProposer.propose = original
 
 
+@contextmanager
+def scripted_copying() -> Iterator[None]:
+    """Every call's steps take the context's chain on a fixed rotation, whatever it is expected to win, so copied
+    chains of every kind are in the mix: one step copies without a drafter forward, the next after one (the drafter's
+    drafts discarded), the third verifies the drafter's own drafts. Where the context has no earlier occurrence of
+    the newest token, the chain repeats that token (random tiny targets rarely repeat themselves)."""
+    from .modeling.context_copy import ChainChooser, SuffixIndex
+
+    originals = ChainChooser.copies_first, ChainChooser.copies_after, SuffixIndex.continuation
+    turn = [0]
+
+    def continuation(self, length: int) -> tuple[list[int], int]:
+        chain, suffix = originals[2](self, length)
+        return (chain, suffix) if chain else ([self.tokens[-1]] * length, 1)
+
+    def copies_first(self, chain_length: int, suffix: int, drafter_length: int) -> int:
+        turn[0] += 1
+        return chain_length if chain_length and turn[0] % 3 == 0 else 0
+
+    def copies_after(self, first_confidence: float, drafter_length: int, chain_length: int, suffix: int) -> int:
+        return chain_length if turn[0] % 3 == 1 else 0
+
+    ChainChooser.copies_first, ChainChooser.copies_after = copies_first, copies_after
+    SuffixIndex.continuation = continuation
+    try:
+        yield
+    finally:
+        ChainChooser.copies_first, ChainChooser.copies_after, SuffixIndex.continuation = originals
+
+
 def assert_same_outputs(ours, theirs, tolerance: float = 1e-5) -> None:
     """A speculative call's returned dict against plain decoding's: the same tokens; per new token the same scores,
     logits, every layer's hidden states and attentions, in plain decoding's shapes, within `tolerance`."""

@@ -41,7 +41,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import call_scope
 from .batch_rows import BatchRows
-from .batched_drafting import BatchDrafts, BlockDrafting, RowByRowDrafting, make_drafting
+from .batched_drafting import BatchDrafts, BlockDrafting, RowByRowDrafting, RowContexts, make_drafting
 from .candidate_generator import SpeculativeCandidateGenerator, TokenPicker
 from .draft_policy import BatchStepRecord, RowStep
 from .rank_agreement import RankAgreement, TokenDigest, floats_as_int64, int64_as_floats, stops_alike
@@ -108,6 +108,7 @@ class Step:
     uncached: list[int]
     anchors: list[int]
     drafter_forwards: int
+    policy_drafts: bool = True  # the policy drafts this step (else it waits: the step may still verify copies)
 
     def fed(self, row: int) -> int:
         """Committed tokens the row feeds before its drafts."""
@@ -143,6 +144,8 @@ class BatchedSpeculativeLoop:
         self.agreement = agreement or RankAgreement(None)
         self.cache_passed = cache_passed
         self.digest = TokenDigest()
+        chooser = generator.chooser
+        self.contexts = None if chooser is None else RowContexts(chooser, generator.proposer.padding)
 
     def __call__(
         self,
@@ -234,17 +237,19 @@ class BatchedSpeculativeLoop:
             mine.append(step := self._draft_here(cache_length))
             usable = [drafts.usable(r, step.anchors[r]) for r in range(rows.batch)]
             lengths = [len(confidences) for confidences in drafts.cut_confidences]
-            head = torch.tensor([step.width, *usable, *lengths])
+            head = torch.tensor([step.width, *usable, *lengths, *drafts.copied])
             return torch.cat([head, drafts.tokens.cpu().reshape(-1), floats_as_int64(drafts.confidences)])
 
-        size = 1 + 2 * rows.batch + drafts.tokens.numel() + drafts.confidences.numel()
+        head = 1 + 3 * rows.batch
+        size = head + drafts.tokens.numel() + drafts.confidences.numel()
         decision = self.agreement.decide("Drafting", drafted, size, state=self.digest.state(rows.committed))
         step = mine[0]
         step.width = int(decision[0])
         usable = decision[1 : 1 + rows.batch].tolist()
         lengths = decision[1 + rows.batch : 1 + 2 * rows.batch].tolist()
-        tokens_end = 1 + 2 * rows.batch + drafts.tokens.numel()
-        drafts.adopt(decision[1 + 2 * rows.batch : tokens_end].reshape(drafts.tokens.shape), usable, step.anchors)
+        copied = [bool(flag) for flag in decision[1 + 2 * rows.batch : head].tolist()]
+        tokens_end = head + drafts.tokens.numel()
+        drafts.adopt(decision[head:tokens_end].reshape(drafts.tokens.shape), usable, step.anchors, copied)
         table = int64_as_floats(decision[tokens_end:]).reshape(drafts.confidences.shape).tolist()
         drafts.cut_confidences = [row[:n] for row, n in zip(table, lengths, strict=True)]
         return step
@@ -260,22 +265,59 @@ class BatchedSpeculativeLoop:
             return Step(final - 1 - cache_length, uncached, anchors, 0)
         room = self.config.max_length - 2 - cache_length  # no row may commit past max_length
         most, drafts = generator.draft_budget(room)
-        if not drafts:
-            if most > 0:
-                generator.skip()
-            return Step(1, uncached, anchors, 0)
-        drafting = [
-            not rows.ended(r) and self.context_end[r] == anchors[r] and self.drafts.stale(r, anchors[r])
+        needs = [
+            most > 0 and not rows.ended(r) and self.context_end[r] == anchors[r] and self.drafts.stale(r, anchors[r])
             for r in range(rows.batch)
         ]
+        copies = self._copies_first(anchors, needs, most, drafts) if self.contexts is not None else {}
+        if not (drafts or copies):
+            if most > 0:
+                generator.skip()
+            return Step(1, uncached, anchors, 0, drafts)
+        drafting = [need and drafts and r not in copies for r, need in enumerate(needs)]
         forwards = 0
         if any(drafting):
             drafted = generator.draft_rows(anchors, rows.ids, drafting, most, cache_length, self.pad_id)
             self.drafts.store(drafted, anchors)
             forwards = drafted.drafter_forwards
+            if self.contexts is not None:
+                copies |= self._copies_after(drafted, drafting, most)
+        if copies:
+            offers, chooser = self.contexts.offers, generator.chooser
+            chains = {row: offers[row].chain[:n] for row, n in copies.items()}
+            chances = {row: chooser.copy_acceptance(offers[row].suffix, n) for row, n in copies.items()}
+            self.drafts.store_copies(chains, chances, anchors)
         limiting = [not rows.ended(r) for r in range(rows.batch)]
         width = 1 + self.drafts.cut(self.policy, uncached, anchors, limiting, min(most + EXTRA_VERIFY_WIDTH, room))
-        return Step(width, uncached, anchors, forwards)
+        return Step(width, uncached, anchors, forwards, drafts)
+
+    def _copies_first(self, anchors: list[int], needs: list[bool], most: int, drafts: bool) -> dict[int, int]:
+        """Each row that needs new drafts is offered the context's chain at its anchor; {row: copied drafts to verify}
+        of those whose copy the chooser takes before the drafter's forward (`drafts`: the policy runs it)."""
+        rows, contexts, chooser = self.rows, self.contexts, self.generator.chooser
+        contexts.catch_up(rows.ids, rows.committed, [not rows.ended(r) for r in range(rows.batch)])
+        copies = {}
+        for row in (r for r, need in enumerate(needs) if need):
+            offer = contexts.offer(row, anchors[row], most)
+            copied = chooser.copies_first(len(offer.chain), offer.suffix, most if drafts else 0)
+            if copied:
+                copies[row] = copied
+        return copies
+
+    def _copies_after(self, drafted, drafting: list[bool], most: int) -> dict[int, int]:
+        """{row: copied drafts to verify} of the rows that drafted and whose copy the chooser takes over the drafter's
+        chain, judged from the chain's first confidence."""
+        first, tokens = drafted.confidences[:, 0].tolist(), drafted.tokens.tolist()
+        copies = {}
+        for row in (r for r, drafts in enumerate(drafting) if drafts):
+            offer = self.contexts.offers[row]
+            offer.drafted, offer.first_confidence = tokens[row][: drafted.lengths[row]], first[row]
+            if not offer.drafted:
+                continue
+            copied = self.generator.chooser.copies_after(first[row], most, len(offer.chain), offer.suffix)
+            if copied:
+                copies[row] = copied
+        return copies
 
     def _verify(self, model: PreTrainedModel, step: Step, cache_length: int, model_kwargs: dict):
         """One target forward over each row's committed tokens past the cache, then its drafts; and the ids it saw."""
@@ -343,7 +385,7 @@ class BatchedSpeculativeLoop:
                 verified = _pick(anchor_scores, bool(self.config.do_sample))
                 accepted = torch.zeros(batch, dtype=torch.long, device=device)
             elif self.config.do_sample:
-                logits = self.drafts.logits[:, :k]
+                logits = self.drafts.q_logits(k, processed.shape[-1])
                 verified, accepted = judge_sampled(processed, columns, tokens, logits, fed_and_lengths[1])
             else:
                 verified, accepted = judge_greedy(processed, columns, tokens, fed_and_lengths[1])
@@ -357,10 +399,12 @@ class BatchedSpeculativeLoop:
         shortest run of committed inputs, record scores, and keep the features the drafter needs next."""
         rows, width = self.rows, step.width
         accepted_list = accepted.tolist()
-        learns = width > 1 or step.drafter_forwards  # the policy learns from every step it drafted or verified for
+        # the policy learns from every step it drafted or verified for, not from copies verified while it waits
+        learns = step.policy_drafts and (width > 1 or step.drafter_forwards)
         generating = [row for row in range(rows.batch) if not rows.stopped(row)] if learns else []
         slowest = rows.slowest(generating) if generating else None  # the batch's pace is its slowest row's
         judged = [step.fresh(row) and not rows.ended(row) for row in range(rows.batch)]
+        self._count_sources(step, accepted_list)
         self._commit(verified, [a + 1 if fresh else 0 for a, fresh in zip(accepted_list, judged, strict=True)])
         # per row: positions of this forward whose inputs (and all before) the row committed
         reach = [step.fed(row) + accepted_list[row] if judged[row] else width for row in range(rows.batch)]
@@ -407,8 +451,17 @@ class BatchedSpeculativeLoop:
                 continue
             verified = min(len(confidences), step.width - step.uncached[row])
             if verified:
-                records.append(RowStep(confidences, verified, accepted[row]))
+                copied = self.drafts.copied[row]  # a copied chain's chances are no drafter confidences
+                records.append(RowStep([] if copied else confidences, verified, accepted[row]))
         return BatchStepRecord(records, advanced, step.width - 1, step.drafter_forwards)
+
+    def _count_sources(self, step: Step, accepted: list[int]) -> None:
+        """Each judged row's accepted drafts under where they came from (`GenerationStats.accepted_by_source`)."""
+        for row in range(self.rows.batch):
+            fresh = step.fresh(row) and not self.rows.ended(row)
+            if fresh and min(step.width - step.fed(row), self.drafts.usable(row, step.anchors[row])) > 0:
+                source = "context" if self.drafts.copied[row] else "drafter"
+                self.stats.accepted_by_source[source].append(accepted[row])
 
     def _record(self, row: int, reach: int, processed: torch.Tensor, logits: torch.Tensor, cache_length: int) -> None:
         """Scores of the row's new columns up to `reach`, from positions whose inputs it committed."""

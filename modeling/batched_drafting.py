@@ -8,12 +8,15 @@ the row commits again, and decides the step's verify width for the batch (`Batch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 from transformers.generation import logits_process
 
 from .candidate_generator import BlockProposer, DraftRequest, Proposer, RowDrafts, TokenPicker, make_proposer
+from .context_copy import ChainChooser, SuffixIndex
 from .draft_policy import DraftPolicy
 from .target_base import HyperConnectionTarget
 
@@ -189,9 +192,11 @@ class BatchDrafts:
     """Every row's latest drafts, kept until the row commits new tokens (its anchor moves), and the step's width.
 
     A row's drafts follow its uncached committed tokens in the verify forward: with `uncached[r]` of those, draft j
-    sits at width position `uncached[r] + j`. The policy chooses the width from every row's confidences
+    sits at width position `uncached[r] + j`. The policy chooses the width from every row's chances of acceptance
     (`DraftPolicy.choose_width`): whole blocks for every row, or the adaptive schedule's best expected rate of new
-    tokens per row. Drafter logits (q) are kept only when the call samples: greedy verification needs the tokens."""
+    tokens per row. Drafter logits (q) are kept only when the call samples: greedy verification needs the tokens.
+    A row whose drafts were copied from the context (`copied`) holds their estimated acceptance in place of
+    confidences, and its q is one-hot at its tokens."""
 
     def __init__(self, batch: int, max_draft: int, device: torch.device, pad_id: int, keeps_logits: bool):
         self.tokens = torch.full((batch, max_draft), pad_id, dtype=torch.long, device=device)
@@ -200,6 +205,7 @@ class BatchDrafts:
         self.keeps_logits = keeps_logits
         self.lengths = [0] * batch
         self.anchors: list[int | None] = [None] * batch  # the anchor column each row's drafts follow
+        self.copied = [False] * batch
         self.cut_confidences: list[list[float]] = []  # per row, the confidences the last cut saw
 
     def stale(self, row: int, anchor: int) -> bool:
@@ -218,11 +224,41 @@ class BatchDrafts:
             self.logits[index, :k] = drafts.logits[index, :k]
         for row in rows:
             self.lengths[row], self.anchors[row] = min(drafts.lengths[row], k), anchors[row]
+            self.copied[row] = False
 
-    def adopt(self, tokens: torch.LongTensor, usable: list[int], anchors: list[int]) -> None:
-        """Another process's drafts for this step (a spread target's rank 0): every row's tokens, and how many of
-        them follow its anchor."""
+    def store_copies(self, chains: dict[int, list[int]], acceptance: dict[int, list[float]], anchors: list[int]):
+        """Rows whose step verifies a chain copied from the context: its tokens, with each one's estimated chance of
+        acceptance in place of a confidence (one transfer each for the batch)."""
+        rows = sorted(chains)
+        k = max(len(chains[row]) for row in rows)
+        index = torch.tensor(rows, device=self.tokens.device)
+        tokens = [chains[row] + [0] * (k - len(chains[row])) for row in rows]
+        chances = [acceptance[row] + [0.0] * (k - len(acceptance[row])) for row in rows]
+        self.tokens[index, :k] = torch.tensor(tokens, device=self.tokens.device)
+        self.confidences[index, :k] = torch.tensor(chances, device=self.confidences.device)
+        for row in rows:
+            self.lengths[row], self.anchors[row], self.copied[row] = len(chains[row]), anchors[row], True
+
+    def q_logits(self, k: int, vocab: int) -> torch.Tensor:
+        """The drafts' q for speculative sampling [B, k, V]: the drafter's processed logits, and for copied rows
+        logits one-hot at their tokens."""
+        if self.logits is None:
+            logits = self.confidences.new_zeros(self.tokens.shape[0], k, vocab)
+        else:
+            logits = self.logits[:, :k]
+        if True in self.copied:
+            index = torch.tensor([row for row, copied in enumerate(self.copied) if copied], device=logits.device)
+            one_hot = logits.new_full((len(index), k, vocab), float("-inf"))
+            one_hot.scatter_(-1, self.tokens[index, :k, None].to(logits.device), 0.0)
+            logits = logits.clone()
+            logits[index] = one_hot
+        return logits
+
+    def adopt(self, tokens: torch.LongTensor, usable: list[int], anchors: list[int], copied: list[bool]) -> None:
+        """Another process's drafts for this step (a spread target's rank 0): every row's tokens, how many of them
+        follow its anchor, and whether they were copied from the context."""
         self.tokens = tokens.to(self.tokens.device)
+        self.copied = copied
         for row, length in enumerate(usable):
             if length:
                 self.lengths[row], self.anchors[row] = length, anchors[row]
@@ -242,4 +278,54 @@ class BatchDrafts:
             row_confidences[: self.usable(row, anchors[row])] if limits else []
             for row, (row_confidences, limits) in enumerate(zip(table, limiting, strict=True))
         ]
-        return min(policy.choose_width(uncached, self.cut_confidences), most)
+        acceptance = [
+            confidences if self.copied[row] else policy.acceptance(confidences)
+            for row, confidences in enumerate(self.cut_confidences)
+        ]
+        return min(policy.choose_width(uncached, acceptance), most)
+
+
+@dataclass
+class Offer:
+    """What a row was offered at its anchor: the context's chain and the suffix it matched, and the drafter's chain
+    with its first position's confidence (None: the drafter did not run for the row)."""
+
+    anchor: int
+    chain: list[int]
+    suffix: int
+    drafted: list[int] | None = None
+    first_confidence: float = 0.0
+
+
+class RowContexts:
+    """For a batch's steps that may verify chains copied from the context: each row's committed tokens in its own
+    `SuffixIndex` (from its first column past the padding), and what each row was offered at its latest anchor. Once
+    a row commits the tokens after that anchor, the chooser learns from them what each chain would have won."""
+
+    def __init__(self, chooser: ChainChooser, padding: list[int]):
+        self.chooser, self.padding = chooser, padding
+        self.indexes = [SuffixIndex() for _ in padding]
+        self.offers: dict[int, Offer] = {}
+
+    def catch_up(self, ids: torch.LongTensor, committed: list[int], live: list[bool]) -> None:
+        """Index the live rows' newly committed tokens (one transfer for the batch) and learn from them."""
+        starts = [pad + len(index.tokens) for pad, index in zip(self.padding, self.indexes, strict=True)]
+        growing = [row for row, alive in enumerate(live) if alive and committed[row] > starts[row]]
+        if not growing:
+            return
+        first = min(starts[row] for row in growing)
+        table = ids[:, first : max(committed[row] for row in growing)].tolist()
+        for row in growing:
+            new = table[row][starts[row] - first : committed[row] - first]
+            offer = self.offers.pop(row, None)
+            if offer is not None and offer.anchor == starts[row] - 1:
+                self.chooser.learn_copy(offer.chain, offer.suffix, new)
+                if offer.drafted:
+                    self.chooser.learn_drafter(offer.first_confidence, offer.drafted, new)
+            self.indexes[row].extend(new)
+
+    def offer(self, row: int, anchor: int, length: int) -> Offer:
+        """The context's chain for the row at `anchor` (its newest committed column), kept to learn from."""
+        chain, suffix = self.indexes[row].continuation(length)
+        self.offers[row] = offer = Offer(anchor, chain, suffix)
+        return offer

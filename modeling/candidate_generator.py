@@ -440,11 +440,10 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         if step is not None:
             self.policy.record_batch(step)
 
-    def record_verified(self, proposed: int, accepted: int, copied: bool = False) -> None:
-        """A verify step's drafts: how many the target saw, how many it accepted, and whether the context gave them."""
+    def record_verified(self, proposed: int, accepted: int) -> None:
+        """A verify step's drafts: how many the target saw and how many it accepted."""
         self.stats.proposed_per_step.append(proposed)
         self.stats.accepted_per_step.append(accepted)
-        self.stats.copied_per_step.append(copied)
 
     def _new_step(self, decoding: bool = True) -> None:
         self.confidences: list[float] = []
@@ -525,7 +524,8 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         """After every target forward: the step's outcome for the stats, and for the policy and chooser to learn."""
         self.last_accepted = int(num_matches)
         if self.last_proposed:
-            self.record_verified(self.last_proposed, self.last_accepted, self.copied)
+            self.record_verified(self.last_proposed, self.last_accepted)
+            self.stats.accepted_by_source["context" if self.copied else "drafter"].append(self.last_accepted)
             if self.threshold is not None and not self.copied:
                 self.threshold.record(self.token_probabilities[: self.last_proposed], self.last_accepted)
         self.stats.new_tokens = input_ids.shape[1] - self.prompt_length

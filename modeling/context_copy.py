@@ -113,6 +113,10 @@ class ChainChooser:
         totals = expected_tokens(self.copy_records[suffix].rates(min(chain_length, self.max_draft)))
         return _best_prefix(totals, lambda k: self.step_cost(drafter_forwards, k))
 
+    def copy_acceptance(self, suffix: int, length: int) -> list[float]:
+        """The copied chain's chance of acceptance at each of its first `length` positions."""
+        return self.copy_records[suffix].rates(length)
+
     def copies_first(self, chain_length: int, suffix: int, drafter_length: int) -> int:
         """Before the drafter's forward: how many copied drafts to verify without it (0: run the drafter)."""
         if not self.skips_drafter:

@@ -103,11 +103,15 @@ class DraftPolicy(ABC):
     def record(self, step: StepRecord) -> None:
         """After the step: learn from how it went."""
 
-    def choose_width(self, uncached: Sequence[int], confidences: Sequence[Sequence[float]]) -> int:
+    def acceptance(self, confidences: Sequence[float]) -> list[float]:
+        """Each draft's chance of acceptance once the ones before it were, from the drafter's confidences."""
+        return list(confidences)
+
+    def choose_width(self, uncached: Sequence[int], acceptance: Sequence[Sequence[float]]) -> int:
         """A batch (`batched_drafting.py`): how many drafted positions its verify forward carries. Row r feeds its
-        `uncached[r]` committed tokens first (its anchor last), then its drafts (their confidences). Default: every
-        row's whole draft."""
-        return max((a - 1 + len(c) for a, c in zip(uncached, confidences, strict=True) if c), default=0)
+        `uncached[r]` committed tokens first (its anchor last), then its drafts (each one's chance of acceptance,
+        `acceptance`). Default: every row's whole draft."""
+        return max((a - 1 + len(c) for a, c in zip(uncached, acceptance, strict=True) if c), default=0)
 
     @abstractmethod
     def record_batch(self, step: BatchStepRecord) -> None:
@@ -277,9 +281,12 @@ class AdaptiveDraftPolicy(DraftPolicy):
             return False
         return True
 
+    def acceptance(self, confidences: Sequence[float]) -> list[float]:
+        return [self.calibration.probability(c) for c in confidences]
+
     def _expected_rates(self, confidences: Sequence[float], drafter_forwards: int) -> list[float]:
         """Entry k: expected tokens per unit of cost when the step verifies its first k drafts."""
-        totals = expected_tokens([self.calibration.probability(c) for c in confidences])
+        totals = expected_tokens(self.acceptance(confidences))
         return [tokens / self.costs.step(drafter_forwards, k) for k, tokens in enumerate(totals)]
 
     def choose(self, confidences: Sequence[float]) -> int:
@@ -306,15 +313,15 @@ class AdaptiveDraftPolicy(DraftPolicy):
     def _pays(self, steps: Sequence[tuple[int, float]]) -> bool:
         return sum(tokens for tokens, _ in steps) >= (1.0 - self.margin) * sum(cost for _, cost in steps)
 
-    def choose_width(self, uncached: Sequence[int], confidences: Sequence[Sequence[float]]) -> int:
+    def choose_width(self, uncached: Sequence[int], acceptance: Sequence[Sequence[float]]) -> int:
         """The width with the best expected rate of new tokens per row: a row adds its bonus token plus the drafts
         it is expected to accept when the forward reaches its newest token (a row further ahead adds none), and every
         drafted position costs the batch `verify_cost`. Each row's drafts are verified as far as the forward reaches,
-        decided from confidences known before its tokens were drawn, as for one row. Each width's rate is computed
+        decided from what was known before its tokens were drawn, as for one row. Each width's rate is computed
         once, up to the first that does not rise: plain Python on the host, which for a batch's rows costs less than
         tensor calls."""
-        widest = super().choose_width(uncached, confidences)
-        reach = [expected_tokens([self.calibration.probability(c) for c in row]) for row in confidences]
+        widest = super().choose_width(uncached, acceptance)
+        reach = [expected_tokens(row) for row in acceptance]
         best, best_rate = 0, None  # the rate rises to its best width and then falls: stop where it first stops rising
         for width in range(widest + 1):
             tokens = sum(

@@ -59,8 +59,9 @@ class GenerationStats:
     accepted_per_step: list[int] = field(default_factory=list)
     proposed_per_step: list[int] = field(default_factory=list)
     skipped_steps: int = 0  # steps after the prefill that decoded plainly, without a drafter forward
-    # per verify step (beside accepted_per_step): whether its drafts were copied from the context, not the drafter's
-    copied_per_step: list[bool] = field(default_factory=list)
+    # accepted drafts of each verify step (of each row's, in a batch) by where its drafts came from: the drafter, or
+    # the context (the prompt and the reply so far, `context_copy.py`)
+    accepted_by_source: dict[str, list[int]] = field(default_factory=lambda: {"drafter": [], "context": []})
     # A batch: per row, the tokens it committed per verify step while it generated (`BatchRows.row_taus`); the
     # batch's own tau above counts the positions its shared cache advanced per step
     row_taus: list[float] = field(default_factory=list)
@@ -100,14 +101,12 @@ class GenerationStats:
 
     @property
     def copied_steps(self) -> int:
-        """Verify steps whose drafts were copied from the context."""
-        return sum(self.copied_per_step)
+        """Verify steps (a batch: row steps) whose drafts were copied from the context."""
+        return len(self.accepted_by_source["context"])
 
-    def source_tau(self, copied: bool) -> float:
-        """tau of the verify steps whose drafts came from the context (`copied`) or from the drafter."""
-        return mean_accepted_length(
-            [a for a, c in zip(self.accepted_per_step, self.copied_per_step, strict=True) if c == copied]
-        )
+    def source_tau(self, source: str) -> float:
+        """tau of the verify steps (a batch: row steps) whose drafts came from `source`, "drafter" or "context"."""
+        return mean_accepted_length(self.accepted_by_source[source])
 
     def __repr__(self) -> str:
         acceptance = ", ".join(f"{rate:.2f}" for rate in self.acceptance_per_position)

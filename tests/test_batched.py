@@ -314,6 +314,7 @@ def test_the_schedule_judges_a_batch_by_its_slowest_row(targets):
     hints[0] = (expected[0] + 1) % target.config.vocab_size  # row 0's drafts: never the target's token
     drafter = new_drafter(target, "hyperdflash")
     assert drafter.generation_config.num_assistant_tokens_schedule == "adaptive"
+    drafter.generation_config.draft_from_context = False  # the drafter's pace alone (copies: test_context_copy.py)
     got = speculative(target, "hyperdflash", drafter, hints, inputs, corruption=0.0, **greedy)
     assert torch.equal(got, expected)
     stats = drafter.last_generation_stats

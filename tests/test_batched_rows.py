@@ -151,8 +151,15 @@ def test_rows_of_the_shipped_pair_keep_what_they_verified():
     target = AutoModelForCausalLM.from_pretrained(reference.target_path(), dtype=torch.float32).eval()
     drafter = AutoModel.from_pretrained(reference.drafter_path("hyperdflash"), dtype=torch.float32).eval()
     drafter.generation_config.num_assistant_tokens_schedule = "constant"
-    chats = [[{"role": "user", "content": text}] for text in ("Name three colors.", "Write a haiku about rain.",
-             "How do I sort a list in Python?", "What is the capital of France?")]
+    chats = [
+        [{"role": "user", "content": text}]
+        for text in (
+            "Name three colors.",
+            "Write a haiku about rain.",
+            "How do I sort a list in Python?",
+            "What is the capital of France?",
+        )
+    ]
     texts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats]
     inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     greedy = {"max_new_tokens": 40, "do_sample": False}

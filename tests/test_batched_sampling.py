@@ -22,7 +22,7 @@ from test_sampling import (
     sampling_target,
 )
 
-from hf_hyperdflash.testing import OracleProposer, chi_square_p_value, oracle_drafting
+from hf_hyperdflash.testing import OracleProposer, chi_square_p_value, oracle_drafting, scripted_copying
 
 pytestmark = pytest.mark.slow  # statistical: 500 batched calls per case (CI runs them)
 
@@ -43,16 +43,19 @@ CALLS_PER_SEED = 250  # 1,000 samples per prompt, the sample size of test_sampli
 
 def batched_samples(target, kind: str, settings: dict) -> tuple[list[torch.Tensor], list[int], list[int]]:
     """Per prompt, the counts of every continuation over all its rows and calls; and the accepted and proposed drafts
-    of every step (the batch's: how far its shared cache advanced)."""
+    of every step (the batch's: how far its shared cache advanced). Kind "oracle-copied": the oracle's drafts with
+    chains copied from the context in the mix (`scripted_copying`)."""
+    copying = kind == "oracle-copied"
+    kind = "oracle" if copying else kind
     drafter = drafter_for(target, kind)
     place_values = VOCAB ** torch.arange(NEW_TOKENS - 1, -1, -1)
     counts = [torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64) for _ in BATCH["input_ids"]]
-    accepted, proposed = [], []
+    accepted, proposed, copied = [], [], 0
     routing = None
     if kind == "oracle":
         greedy = target.generate(**BATCH, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
         routing = OracleProposer(VOCAB, greedy.repeat_interleave(SEQUENCES, dim=0), corruption=0.2, seed=0)
-    with oracle_drafting(routing) if routing else nullcontext():
+    with oracle_drafting(routing) if routing else nullcontext(), scripted_copying() if copying else nullcontext():
         for seed in SEEDS:
             torch.manual_seed(seed)
             for _ in range(CALLS_PER_SEED):
@@ -71,6 +74,8 @@ def batched_samples(target, kind: str, settings: dict) -> tuple[list[torch.Tenso
                     counts[row // SEQUENCES][int((tokens * place_values).sum())] += 1
                 accepted += drafter.last_generation_stats.accepted_per_step
                 proposed += drafter.last_generation_stats.proposed_per_step
+                copied += drafter.last_generation_stats.copied_steps
+    assert copied or not copying, "no step verified a copied chain"
     return counts, accepted, proposed
 
 
@@ -95,8 +100,16 @@ def padded_at_end_of_sequence(probs: torch.Tensor, eos: int) -> torch.Tensor:
         ("dspark", {}),
         ("oracle", PROCESSED),
         ("oracle", {"eos_token_id": 2}),
+        ("oracle-copied", PROCESSED),
     ],
-    ids=["untrained-hyperdflash", "mtp-temperature", "dspark", "oracle-temperature-top_k", "oracle-rows-that-stop"],
+    ids=[
+        "untrained-hyperdflash",
+        "mtp-temperature",
+        "dspark",
+        "oracle-temperature-top_k",
+        "oracle-rows-that-stop",
+        "oracle-with-copied-chains",
+    ],
 )
 def test_every_row_of_a_batch_follows_its_prompts_distribution(target, kind, settings):
     """With `eos_token_id`, rows stop at different steps (some inside a step whose drafts go past their stop)."""

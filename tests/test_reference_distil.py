@@ -48,8 +48,10 @@ def test_a_row_is_the_prompt_in_the_chat_format_then_the_reply_with_labels_on_th
 
 
 def test_rows_pack_the_examples_in_order_and_keep_their_labels():
-    examples = [{"input_ids": torch.arange(i * 10, i * 10 + 5), "labels": torch.tensor([IGNORE_INDEX] * 2 + [1, 2, 3])}
-                for i in range(5)]
+    examples = [
+        {"input_ids": torch.arange(i * 10, i * 10 + 5), "labels": torch.tensor([IGNORE_INDEX] * 2 + [1, 2, 3])}
+        for i in range(5)
+    ]
     rows = packed_rows(examples, length=8)
     assert len(rows) == 3  # 25 tokens: 3 rows of 8, the last token dropped
     for key in ("input_ids", "labels"):
@@ -80,8 +82,10 @@ def test_calibration_scales_every_logit_and_keeps_greedy_text():
 def test_examples_read_every_reply_and_skip_empty_ones(tmp_path):
     shard = tmp_path / "t0" / "shard_00000.jsonl"
     shard.parent.mkdir()
-    records = [{"id": "a", "prompt": "Hi.", "reply": "Hello.", "ended": True, "temperature": 0.0},
-               {"id": "b", "prompt": "Why?", "reply": "", "ended": True, "temperature": 0.0}]
+    records = [
+        {"id": "a", "prompt": "Hi.", "reply": "Hello.", "ended": True, "temperature": 0.0},
+        {"id": "b", "prompt": "Why?", "reply": "", "ended": True, "temperature": 0.0},
+    ]
     shard.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     examples = teacher_examples(tokenizer(), tmp_path)
     assert len(examples) == 1
@@ -91,19 +95,36 @@ def test_the_build_distils_the_language_model_on_the_replies_and_ships_it(tmp_pa
     tok = tokenizer()
     teacher_dir = tmp_path / "teacher"
     (teacher_dir / "t0").mkdir(parents=True)
-    records = [{"id": str(i), "prompt": f"Question {i}?", "reply": "Answer " * 40, "ended": True, "temperature": 0.0}
-               for i in range(8)]
+    records = [
+        {"id": str(i), "prompt": f"Question {i}?", "reply": "Answer " * 40, "ended": True, "temperature": 0.0}
+        for i in range(8)
+    ]
     (teacher_dir / "t0" / "shard_00000.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     work = tmp_path / "work"
-    start = tiny_deepseek_v4(seed=5, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
+    start = tiny_deepseek_v4(
+        seed=5,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     start.save_pretrained(work / "target")
     tok.save_pretrained(work / "tokenizer")
     loop = LoopConfig(total_steps=3, batch_size=1, learning_rate=1e-3, warmup_steps=1, checkpoint_every=3)
     monkeypatch.setattr(build, "distil_target", functools.partial(build.distil_target, loop=loop))
 
-    build.main(["--work-dir", str(work), "--stages", "distil", "--out", str(tmp_path / "out"),
-                "--teacher-dir", str(teacher_dir)])
+    build.main(
+        [
+            "--work-dir",
+            str(work),
+            "--stages",
+            "distil",
+            "--out",
+            str(tmp_path / "out"),
+            "--teacher-dir",
+            str(teacher_dir),
+        ]
+    )
     log = [json.loads(line) for line in (work / "distil_run" / "log.jsonl").open()]
     assert [r["step"] for r in log] == [3]
     distilled = DeepseekV4ForCausalLM.from_pretrained(work / "target_distilled", dtype=torch.float32)

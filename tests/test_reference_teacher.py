@@ -14,9 +14,16 @@ PROMPTS = [(f"p{i}", text) for i, text in enumerate(["Hi there.", "Name a fruit.
 def tiny_teacher():
     tokenizer = AutoTokenizer.from_pretrained(reference.tokenizer_path(), padding_side="left")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return LlamaForCausalLM(config).eval(), tokenizer
 
 

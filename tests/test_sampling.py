@@ -31,6 +31,7 @@ from hf_hyperdflash.testing import (
     chi_square_p_value,
     image_prompt,
     oracle_drafting,
+    scripted_copying,
     tiny_deepseek_v4,
     tiny_glm5_next,
     tiny_qwen4_exp_composite,
@@ -195,6 +196,19 @@ def test_speculative_samples_follow_the_target_distribution(target, kind, settin
         assert sum(accepted) / sum(proposed) > 0.25
     p_value = chi_square_p_value(counts, probs)
     assert p_value > ALPHA, f"speculative samples deviate from the target distribution (p={p_value:.2e})"
+
+
+@pytest.mark.parametrize("settings", [{}, PROCESSED], ids=["plain-sampling", "temperature-top_k"])
+def test_copied_chains_keep_the_target_distribution(target, settings):
+    """Steps verify chains copied from the context beside the oracle's drafts (`scripted_copying`): a copied chain is
+    verified with q one-hot at its tokens, and which chain a step verifies is fixed before any token is drawn."""
+    drafter = drafter_for(target, "hyperdflash")
+    with scripted_copying():
+        counts, accepted, proposed = speculative_samples(target, "oracle", settings, drafter=drafter)
+    assert drafter.last_generation_stats.copied_steps > 0
+    assert outcomes(accepted, proposed) == {"full", "partial", "zero"}
+    p_value = chi_square_p_value(counts, exact_distribution(target, settings))
+    assert p_value > ALPHA, f"samples with copied chains deviate from the target distribution (p={p_value:.2e})"
 
 
 @pytest.mark.parametrize("kind", ["hyperdflash", "dspark", "hyperdflash_heads"])

@@ -24,7 +24,7 @@ from .harness import (
     reference_dspark_dir,
     reference_mtp_dir,
 )
-from .options import MODES, add_eval_arguments
+from .options import CONTEXT_DRAFTS, MODES, add_eval_arguments
 from .paired import default_tau_ratio_pairs, pool_members, speculative_names
 from .report import REPORT_FILES, machine_description, write_report
 
@@ -82,6 +82,16 @@ def _ratio_pairs(requested: list[tuple[str, str]] | None, names: list[str]) -> l
     return list(dict.fromkeys(requested))  # a pair given twice is reported once
 
 
+def _speed_pairs(requested: list[tuple[str, str]], names: list[str]) -> list[tuple[str, str]]:
+    """The --speed-ratio pairs, checked against the methods."""
+    for pair in requested:
+        unknown = [name for name in pair if name not in names]
+        if unknown or pair[0] == pair[1]:
+            problem = f"no method named {unknown}" if unknown else "compares a method with itself"
+            raise ValueError(f"--speed-ratio {'/'.join(pair)}: {problem}; choose two of {names}.")
+    return list(dict.fromkeys(requested))
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """Run the evaluation, write and print the report; 1 if a greedy output differs from plain decoding, else 0."""
     if args.threads:
@@ -118,8 +128,10 @@ def run_eval(args: argparse.Namespace) -> int:
         args.untrained,
         args.prompt_lookup,
         args.plain_control,
+        [CONTEXT_DRAFTS[value] for value in dict.fromkeys(args.context_drafts)],
     )
     ratio_pairs = _ratio_pairs(args.tau_ratio, [method.name for method in methods])
+    speed_pairs = _speed_pairs(args.speed_ratio, [method.name for method in methods])
     results = evaluate(
         target,
         tokenizer,
@@ -148,6 +160,8 @@ def run_eval(args: argparse.Namespace) -> int:
         "device": device,
         "notes": notes,
         "tau_ratios": ratio_pairs,
+        "speed_ratios": speed_pairs,
+        "context_drafts": args.context_drafts,
     }
     print(write_report(results, run, args.output_dir))
     print(f"written: {', '.join(str(args.output_dir / name) for name in REPORT_FILES.values())}")

@@ -9,6 +9,7 @@ one is reported in `notes`, never dropped silently.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from ..modeling.strict_loading import check_drafter_path, unreachable_hub_id
 from ..modeling.targets import get_target_adapter
 from ..prompts import Messages
 from ..reference import DRAFTER_KINDS
+from .options import DRAFTER_ONLY
 from .prompts import chat_ids
 from .runner import PLAIN_CONTROL, Method, MethodResult, run_methods, warm_up
 
@@ -132,6 +134,7 @@ def build_methods(
     untrained: bool = False,
     prompt_lookup: Sequence[int] = (),
     plain_control: bool = False,
+    context_drafts: Sequence[bool] = (True,),
 ) -> list[Method]:
     """Plain decoding (and, with `plain_control`, plain decoding again as `PLAIN_CONTROL`, whose speed over the
     first shows the run's timing noise), native MTP at each depth in `mtp_steps`, the named drafters (in the given
@@ -140,7 +143,9 @@ def build_methods(
     schedule).
 
     `draft_tokens` overrides the number of drafted tokens per step of named drafters (default: their own
-    generation config, for block drafters `block_size - 1`). A "constant" method is named NAME-constant.
+    generation config, for block drafters `block_size - 1`). A "constant" method is named NAME-constant. Each
+    speculative method runs once per value of `context_drafts` (whether its steps may verify chains copied from the
+    context, the default; one without is named NAME-drafter-only).
     """
     draft_tokens = draft_tokens or {}
     unknown = sorted(set(draft_tokens) - set(drafter_dirs))
@@ -158,9 +163,12 @@ def build_methods(
             drafter = HyperDFlashForDrafting.from_target(target).to(dtype).eval()
         speculative.append(Method("untrained", drafter))
     methods = [Method("plain")] + ([Method(PLAIN_CONTROL)] if plain_control else [])
-    for schedule in schedules:
-        suffix = "" if schedule == DEFAULT_SCHEDULE else f"-{schedule}"
-        methods += [dataclasses.replace(m, name=m.name + suffix, schedule=schedule) for m in speculative]
+    for schedule, copies in itertools.product(schedules, context_drafts):
+        suffix = ("" if schedule == DEFAULT_SCHEDULE else f"-{schedule}") + ("" if copies else DRAFTER_ONLY)
+        methods += [
+            dataclasses.replace(m, name=m.name + suffix, schedule=schedule, draft_from_context=copies)
+            for m in speculative
+        ]
     for k in prompt_lookup:
         methods.append(
             Method(f"prompt-lookup-k{k}", num_draft_tokens=k, generate_options={"prompt_lookup_num_tokens": k})

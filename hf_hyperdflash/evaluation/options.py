@@ -30,6 +30,8 @@ from pathlib import Path
 from ..modeling.draft_options import DEFAULT_SCHEDULE, SCHEDULES
 from .datasets import PROMPT_SETS
 
+DRAFTER_ONLY = "-drafter-only"  # the name suffix of a method whose steps verify only its drafter's drafts
+CONTEXT_DRAFTS = {"on": True, "off": False}  # --context-drafts
 POOL_SEPARATOR = "+"  # "a+b": one side of a tau ratio made of several methods (paired.pool_members)
 MODES = {"non-thinking": False, "thinking": True}
 DTYPES = ("float32", "bfloat16")  # --dtype, torch dtype names
@@ -145,6 +147,15 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "the first keeps its length for the next call), constant (every step drafts k) (default: adaptive).",
     )
     models.add_argument(
+        "--context-drafts",
+        nargs="+",
+        choices=list(CONTEXT_DRAFTS),
+        default=["on"],
+        help="Whether each step may verify a chain copied from the context (the prompt and the reply so far) instead "
+        "of the drafter's: on (the drafters' default, `draft_from_context`), off (named NAME-drafter-only); both "
+        "values: each speculative method once per value (default: on).",
+    )
+    models.add_argument(
         "--prompt-lookup",
         type=_positive_int,
         nargs="*",
@@ -228,6 +239,15 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Report tau(NUM) / tau(DEN) with a 95%% paired bootstrap interval over prompts (repeatable; method "
         "names as in the table, e.g. hyperdflash/mtp-k3). A side 'a+b' pools methods, e.g. drafters of several "
         "seeds: hdf_s0+hdf_s1/dfl_s0+dfl_s1. Default: hyperdflash over every other speculative method.",
+    )
+    report.add_argument(
+        "--speed-ratio",
+        type=_method_pair,
+        action="append",
+        default=[],
+        metavar="NUM/DEN",
+        help="Also report the speed of NUM over DEN on the same prompts (median over prompts, 95%% percentile "
+        "interval), for methods a tau ratio cannot compare, e.g. hyperdflash/prompt-lookup-k7 (repeatable).",
     )
     report.add_argument(
         "--output-dir", type=Path, required=True, help="Where report.md, results.json, acceptance.png go."

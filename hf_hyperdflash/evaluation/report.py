@@ -2,13 +2,14 @@
 
 Markdown columns: tau (mean accepted length per verify step, bonus token included), acceptance at each draft
 position k (the share of steps that drafted position k whose drafts were all accepted up to k), drafts sent to
-verification per decoding step and the share of steps that skipped drafting (the adaptive schedule), target forwards
+verification per decoding step, the share of steps that skipped drafting (the adaptive schedule) and the share of
+verify steps whose drafts were copied from the context (`draft_from_context`), target forwards
 per generated token, then the speed of the method's later calls, those after its first in the setting: median tokens/s
 and speedup (median over prompts of tokens/s over plain decoding's); "1st call" is the first call's speedup over
 plain decoding's first call (it pays the warm-up); and lossless (greedy outputs token-identical to plain decoding,
 N/N prompts). A second table gives the tau ratios of the pairs in `run["tau_ratios"]` with paired bootstrap intervals
 over prompts; a third compares by speed on the same prompts: each method's speedup with its interval, each drafter's
-default schedule against its others, and the tau-ratio pairs of single methods.
+default schedule against its others, the tau-ratio pairs of single methods and the --speed-ratio pairs.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _lossless(result: MethodResult) -> str:
 def _method_table(results: list[MethodResult]) -> list[str]:
     positions = max((len(result.acceptance_per_position) for result in results), default=0)
     header = ["method", "k", "tau", *(f"acc@{k}" for k in range(1, positions + 1))]
-    header += ["drafted/step", "skipped", "fwd/token", "tok/s", "speedup", "1st call", "lossless"]
+    header += ["drafted/step", "skipped", "copied", "fwd/token", "tok/s", "speedup", "1st call", "lossless"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
         acceptance = result.acceptance_per_position
@@ -79,6 +80,7 @@ def _method_table(results: list[MethodResult]) -> list[str]:
         drafts = bool(result.proposed_per_step or result.skipped_steps)  # plain decoding, prompt lookup: no record
         cells += [_number(result.drafted_per_step) if drafts else "–"]
         cells += [_number(result.skipped_share, "{:.0%}") if drafts else "–"]
+        cells += [_number(result.copied_share, "{:.0%}") if drafts else "–"]
         cells += [_number(result.forwards_per_token), _number(result.median_tokens_per_second, "{:.1f}")]
         cells += [_number(result.speedup, "{:.2f}x"), _number(result.first_call.speed_ratio, "{:.2f}x")]
         cells += [_lossless(result)]
@@ -96,16 +98,19 @@ def tau_ratios(result: SettingResult, pairs: list[tuple[str, str]]) -> list[Pair
     return [paired_tau_ratio(side(numerator), side(denominator)) for numerator, denominator in pairs]
 
 
-def speed_comparisons(result: SettingResult, tau_ratio_pairs: list[tuple[str, str]]) -> list[PairedRatio]:
+def speed_comparisons(
+    result: SettingResult, tau_ratio_pairs: list[tuple[str, str]], speed_pairs: list[tuple[str, str]] = ()
+) -> list[PairedRatio]:
     """By speed on the same prompts: each speculative method over plain decoding (its speedup, with the interval
     that says whether it differs from 1.00x), each method's default schedule over its other schedules, then the
-    tau-ratio pairs of single methods (a pooled side has no one speed per prompt)."""
+    tau-ratio pairs of single methods (a pooled side has no one speed per prompt), then `speed_pairs`."""
     plain, *speculative = result.methods
     by_name = {method.name: method for method in result.methods}
     pairs = schedule_pairs([method.name for method in result.methods])
     pairs += [
         pair for pair in tau_ratio_pairs if pair not in pairs and not any(len(pool_members(side)) > 1 for side in pair)
     ]
+    pairs += [pair for pair in speed_pairs if pair not in pairs]
     speedups = [paired_speed_ratio(method, plain) for method in speculative]
     return speedups + [paired_speed_ratio(by_name[numerator], by_name[other]) for numerator, other in pairs]
 
@@ -228,7 +233,7 @@ def write_report(results: list[SettingResult], run: dict, output_dir: str | Path
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     ratios = [tau_ratios(result, run["tau_ratios"]) for result in results]
-    speeds = [speed_comparisons(result, run["tau_ratios"]) for result in results]
+    speeds = [speed_comparisons(result, run["tau_ratios"], run.get("speed_ratios", [])) for result in results]
     markdown = markdown_report(results, run, ratios, speeds)
     (output_dir / REPORT_FILES["markdown"]).write_text(markdown)
     data = results_json(results, run, ratios, speeds)

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..decoding import decoding_settings
+from ..modeling.draft_options import DRAFT_FROM_CONTEXT
 from ..modeling.generation_stats import (
     GenerationStats,
     acceptance_per_position,
@@ -42,7 +43,8 @@ class Method:
     """A way to decode: plain (`drafter` None) or speculative with a drafter.
 
     `num_draft_tokens` overrides the drafter's `generation_config.num_assistant_tokens` (native MTP's depth k), and
-    `schedule` its `num_assistant_tokens_schedule` (draft_options.SCHEDULES). `generate_options` go to every
+    `schedule` its `num_assistant_tokens_schedule` (draft_options.SCHEDULES), `draft_from_context` whether steps may
+    verify chains copied from the context (`draft_options.DRAFT_FROM_CONTEXT`). `generate_options` go to every
     `generate` call: transformers' own drafting (`prompt_lookup_num_tokens`) is a method without a drafter, whose
     per-step acceptance is not reported (forwards per token and speed are).
     `context`, given the prompt ids, returns a context entered around each of this method's `generate` calls
@@ -53,6 +55,7 @@ class Method:
     drafter: PreTrainedModel | None = None
     num_draft_tokens: int | None = None
     schedule: str | None = None
+    draft_from_context: bool | None = None  # the drafter's `generation_config.draft_from_context` (None: its own)
     generate_options: dict = field(default_factory=dict)
     context: Callable[[torch.LongTensor], AbstractContextManager] | None = None
 
@@ -84,6 +87,7 @@ class MethodResult:
     target_forwards: int = 0
     decoding_steps: int = 0  # target forwards after each call's prefill
     skipped_steps: int = 0  # of those, steps that decoded plainly without a drafter forward
+    copied_steps: int = 0  # verify steps (row steps) whose drafts were copied from the context
     accepted_per_step: list[int] = field(default_factory=list)
     proposed_per_step: list[int] = field(default_factory=list)
     # Per prompt with later calls: their median tokens/s over the repeats, and its ratio to plain decoding's
@@ -99,6 +103,7 @@ class MethodResult:
         self.target_forwards += stats.target_forwards
         self.decoding_steps += stats.decoding_steps
         self.skipped_steps += stats.skipped_steps
+        self.copied_steps += stats.copied_steps
         self.accepted_per_step += stats.accepted_per_step
         self.proposed_per_step += stats.proposed_per_step
 
@@ -121,6 +126,11 @@ class MethodResult:
     def skipped_share(self) -> float:
         """Share of decoding steps that skipped drafting."""
         return per_decoding_step(self.skipped_steps, self.decoding_steps)
+
+    @property
+    def copied_share(self) -> float:
+        """Share of verify steps whose drafts were copied from the context."""
+        return per_decoding_step(self.copied_steps, len(self.accepted_per_step))
 
     @property
     def forwards_per_token(self) -> float:
@@ -146,6 +156,7 @@ class MethodResult:
             "acceptance_per_position": self.acceptance_per_position,
             "drafted_per_step": finite_or_none(self.drafted_per_step),
             "skipped_share": finite_or_none(self.skipped_share),
+            "copied_share": finite_or_none(self.copied_share),
             "forwards_per_token": finite_or_none(self.forwards_per_token),
             "tokens_per_second": finite_or_none(self.median_tokens_per_second),
             "speedup": finite_or_none(self.speedup),
@@ -180,14 +191,18 @@ def drafting_settings(method: Method, session: Session) -> Iterator[None]:
     overrides = {
         "num_assistant_tokens": session.draft_length if session.draft_length is not None else method.num_draft_tokens,
         "num_assistant_tokens_schedule": method.schedule,
+        DRAFT_FROM_CONTEXT: method.draft_from_context,
     }
-    originals = {name: getattr(config, name) for name in overrides}
-    config.update(**{name: value for name, value in overrides.items() if value is not None})
+    originals = {name: getattr(config, name, None) for name in overrides}
+    for name, value in overrides.items():  # setattr: `update` skips a name the config does not hold yet
+        if value is not None:
+            setattr(config, name, value)
     try:
         yield
         session.draft_length = config.num_assistant_tokens
     finally:
-        config.update(**originals)
+        for name, value in originals.items():
+            setattr(config, name, value)
 
 
 @contextmanager

@@ -252,8 +252,16 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.save_pretrained(args.out / "tokenizer")
     if "teacher" in stages:
         temperatures = [str(t) for t in DISTIL_TEMPERATURES]
-        teacher.main(["--out", str(teacher_dir), "--cache-dir", str(args.work_dir / "teacher_model"),
-                      "--temperatures", *temperatures])
+        teacher.main(
+            [
+                "--out",
+                str(teacher_dir),
+                "--cache-dir",
+                str(args.work_dir / "teacher_model"),
+                "--temperatures",
+                *temperatures,
+            ]
+        )
     if "target" in stages:
         train_target(tokenizer, args.work_dir)
     if stages & {"distil", "mtp"}:

