@@ -380,11 +380,12 @@ def oracle_drafting(oracle: OracleProposer) -> Iterator[OracleProposer]:
 
 
 @contextmanager
-def scripted_copying() -> Iterator[None]:
+def scripted_copying() -> Iterator[list[int]]:
     """Every call's steps take the context's chain on a fixed rotation, whatever it is expected to win, so copied
     chains of every kind are in the mix: one step copies without a drafter forward, the next after one (the drafter's
     drafts discarded), the third verifies the drafter's own drafts. Where the context has no earlier occurrence of
-    the newest token, the chain repeats that token (random tiny targets rarely repeat themselves)."""
+    the newest token, the chain repeats that token (random tiny targets rarely repeat themselves). Yields the count of
+    chains it chose to copy, as a one-item list."""
     from .modeling.context_copy import ChainChooser, SuffixIndex
 
     originals = ChainChooser.copies_first, ChainChooser.copies_after, SuffixIndex.continuation
@@ -394,17 +395,23 @@ def scripted_copying() -> Iterator[None]:
         chain, suffix = originals[2](self, length)
         return (chain, suffix) if chain else ([self.tokens[-1]] * length, 1)
 
+    copied = [0]
+
     def copies_first(self, chain_length: int, suffix: int, drafter_length: int) -> int:
         turn[0] += 1
-        return chain_length if chain_length and turn[0] % 3 == 0 else 0
+        copies = chain_length and turn[0] % 3 == 0
+        copied[0] += bool(copies)
+        return chain_length if copies else 0
 
     def copies_after(self, first_confidence: float, drafter_length: int, chain_length: int, suffix: int) -> int:
-        return chain_length if turn[0] % 3 == 1 else 0
+        copies = chain_length and turn[0] % 3 == 1
+        copied[0] += bool(copies)
+        return chain_length if copies else 0
 
     ChainChooser.copies_first, ChainChooser.copies_after = copies_first, copies_after
     SuffixIndex.continuation = continuation
     try:
-        yield
+        yield copied
     finally:
         ChainChooser.copies_first, ChainChooser.copies_after, SuffixIndex.continuation = originals
 

@@ -75,7 +75,7 @@ def batched_samples(target, kind: str, settings: dict) -> tuple[list[torch.Tenso
                 accepted += drafter.last_generation_stats.accepted_per_step
                 proposed += drafter.last_generation_stats.proposed_per_step
                 copied += drafter.last_generation_stats.copied_steps
-    assert copied or not copying, "no step verified a copied chain"
+    assert copied > 100 or not copying, "too few steps verified a copied chain"
     return counts, accepted, proposed
 
 
