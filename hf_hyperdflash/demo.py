@@ -63,6 +63,7 @@ class DemoResult:
     speculative_text: str
     identical: bool
     tau: float
+    copied_share: float
     speedup: float
     plain_seconds: float
     speculative_seconds: float
@@ -86,6 +87,7 @@ class Comparison:
     plain_seconds: float
     speculative_seconds: float
     tau: float
+    copied_share: float  # of the verify steps, those whose drafts were copied from the context
 
     @property
     def identical(self) -> bool:
@@ -116,7 +118,13 @@ def compare_decoding(
         plain_seconds=statistics.median(plain_times),
         speculative_seconds=statistics.median(spec_times),
         tau=drafter.last_generation_stats.mean_accepted_length,
+        copied_share=_copied_share(drafter.last_generation_stats),
     )
+
+
+def _copied_share(stats) -> float:
+    steps = len(stats.accepted_per_step)
+    return stats.copied_steps / steps if steps else 0.0
 
 
 def run_demo(
@@ -139,6 +147,7 @@ def run_demo(
         speculative_text=tokenizer.decode(result.speculative[0, prompt_length:], skip_special_tokens=True),
         identical=result.identical,
         tau=result.tau,
+        copied_share=result.copied_share,
         speedup=result.speedup,
         plain_seconds=result.plain_seconds,
         speculative_seconds=result.speculative_seconds,

@@ -380,12 +380,13 @@ def oracle_drafting(oracle: OracleProposer) -> Iterator[OracleProposer]:
 
 
 @contextmanager
-def scripted_copying() -> Iterator[list[int]]:
+def scripted_copying(choose: bool = True) -> Iterator[list[int]]:
     """Every call's steps take the context's chain on a fixed rotation, whatever it is expected to win, so copied
     chains of every kind are in the mix: one step copies without a drafter forward, the next after one (the drafter's
     drafts discarded), the third verifies the drafter's own drafts. Where the context has no earlier occurrence of
     the newest token, the chain repeats that token (random tiny targets rarely repeat themselves). Yields the count of
-    chains it chose to copy, as a one-item list."""
+    chains it chose to copy, as a one-item list. `choose` False: only that fallback chain; the call's chooser
+    decides."""
     from .modeling.context_copy import ChainChooser, SuffixIndex
 
     originals = ChainChooser.copies_first, ChainChooser.copies_after, SuffixIndex.continuation
@@ -408,7 +409,8 @@ def scripted_copying() -> Iterator[list[int]]:
         copied[0] += bool(copies)
         return chain_length if copies else 0
 
-    ChainChooser.copies_first, ChainChooser.copies_after = copies_first, copies_after
+    if choose:
+        ChainChooser.copies_first, ChainChooser.copies_after = copies_first, copies_after
     SuffixIndex.continuation = continuation
     try:
         yield copied

@@ -269,7 +269,9 @@ class BatchedSpeculativeLoop:
             most > 0 and not rows.ended(r) and self.context_end[r] == anchors[r] and self.drafts.stale(r, anchors[r])
             for r in range(rows.batch)
         ]
-        copies = self._copies_first(anchors, needs, most, drafts) if self.contexts is not None else {}
+        # A batch copies only on the steps its policy drafts: a row's copy gains the batch nothing until its slowest
+        # row gains too, and every drafted position costs every row (docs/batched.md)
+        copies = self._copies_first(anchors, needs, most) if self.contexts is not None and drafts else {}
         if not (drafts or copies):
             if most > 0:
                 generator.skip()
@@ -291,15 +293,15 @@ class BatchedSpeculativeLoop:
         width = 1 + self.drafts.cut(self.policy, uncached, anchors, limiting, min(most + EXTRA_VERIFY_WIDTH, room))
         return Step(width, uncached, anchors, forwards, drafts)
 
-    def _copies_first(self, anchors: list[int], needs: list[bool], most: int, drafts: bool) -> dict[int, int]:
+    def _copies_first(self, anchors: list[int], needs: list[bool], most: int) -> dict[int, int]:
         """Each row that needs new drafts is offered the context's chain at its anchor; {row: copied drafts to verify}
-        of those whose copy the chooser takes before the drafter's forward (`drafts`: the policy runs it)."""
+        of those whose copy the chooser takes before the drafter's forward."""
         rows, contexts, chooser = self.rows, self.contexts, self.generator.chooser
         contexts.catch_up(rows.ids, rows.committed, [not rows.ended(r) for r in range(rows.batch)])
         copies = {}
         for row in (r for r, need in enumerate(needs) if need):
             offer = contexts.offer(row, anchors[row], most)
-            copied = chooser.copies_first(len(offer.chain), offer.suffix, most if drafts else 0)
+            copied = chooser.copies_first(len(offer.chain), offer.suffix, most)
             if copied:
                 copies[row] = copied
         return copies
@@ -307,14 +309,15 @@ class BatchedSpeculativeLoop:
     def _copies_after(self, drafted, drafting: list[bool], most: int) -> dict[int, int]:
         """{row: copied drafts to verify} of the rows that drafted and whose copy the chooser takes over the drafter's
         chain, judged from the chain's first confidence."""
-        first, tokens = drafted.confidences[:, 0].tolist(), drafted.tokens.tolist()
+        first = drafted.confidences[:, :1].tolist()  # [] for every row when the drafter's heads cut all blocks
+        tokens = drafted.tokens.tolist()
         copies = {}
         for row in (r for r, drafts in enumerate(drafting) if drafts):
             offer = self.contexts.offers[row]
-            offer.drafted, offer.first_confidence = tokens[row][: drafted.lengths[row]], first[row]
-            if not offer.drafted:
-                continue
-            copied = self.generator.chooser.copies_after(first[row], most, len(offer.chain), offer.suffix)
+            offer.drafted = tokens[row][: drafted.lengths[row]]
+            confidence = first[row][0] if offer.drafted else None
+            offer.first_confidence = confidence or 0.0
+            copied = self.generator.chooser.copies_after(confidence, most, len(offer.chain), offer.suffix)
             if copied:
                 copies[row] = copied
         return copies

@@ -500,7 +500,8 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         self.confidences, self.drafter_forwards = draft.confidences[0].tolist(), draft.drafter_forwards
         if chooser is not None:
             self.drafted = draft.tokens[0].tolist()
-            copied = chooser.copies_after(self.confidences[0], num_tokens, len(chain), suffix)
+            first = self.confidences[0] if self.confidences else None
+            copied = chooser.copies_after(first, num_tokens, len(chain), suffix)
             if copied:
                 return self._copy(input_ids, copied)
         self.last_proposed = min(self.policy.choose(self.confidences), draft.tokens.shape[1])
@@ -542,6 +543,6 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
         if self.is_decoding_step:
             chain, suffix = self.context_chain
             self.chooser.learn_copy(chain, suffix, known)
-            if self.drafted:
+            if self.drafted and self.confidences:  # (on a spread target the confidences are rank 0's)
                 self.chooser.learn_drafter(self.confidences[0], self.drafted, known)
         self.index.extend(known)

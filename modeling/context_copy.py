@@ -126,13 +126,16 @@ class ChainChooser:
         _, drafter_rate = _best_prefix(totals, lambda k: self.step_cost(1, k))
         return verified if verified and copy_rate > max(drafter_rate, 1.0 / self.step_cost(0, 0)) else 0
 
-    def copies_after(self, first_confidence: float, drafter_length: int, chain_length: int, suffix: int) -> int:
-        """After the drafter's forward: how many copied drafts to verify in place of its own (0: its own)."""
+    def copies_after(self, first_confidence: float | None, drafter_length: int, chain_length: int, suffix: int) -> int:
+        """After the drafter's forward: how many copied drafts to verify in place of its own (0: its own).
+        `first_confidence` None: the drafter proposed nothing (its heads cut the block before its first draft)."""
         verified, copy_rate = self.copy_plan(chain_length, suffix, 1)
         if not verified:
             return 0
-        rates = self.drafter_record.rates(drafter_length)
-        totals = expected_tokens([self.first_calibration.probability(first_confidence), *rates[1:]])
+        totals = [1.0]  # no draft: the step gains the bonus token alone
+        if first_confidence is not None:
+            rates = self.drafter_record.rates(drafter_length)
+            totals = expected_tokens([self.first_calibration.probability(first_confidence), *rates[1:]])
         _, drafter_rate = _best_prefix(totals, lambda k: self.step_cost(1, k))
         return verified if copy_rate > drafter_rate else 0
 

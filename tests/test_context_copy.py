@@ -132,3 +132,20 @@ def test_copied_chains_are_exact_on_every_family_and_drafter_kind(targets, famil
         assert torch.equal(got, expected)
         stats = drafter.last_generation_stats
         assert stats.copied_steps > 0 and stats.accepted_by_source["drafter"]
+
+
+@pytest.mark.parametrize("kind", ["hyperdflash_heads", "dspark"])
+def test_a_drafter_whose_heads_cut_its_whole_block_leaves_the_choice_to_the_copy(targets, kind):
+    """A confidence head that gives nothing a chance cuts the block before its first draft under the default
+    schedule: the step then weighs the copy against the bonus token alone, one row and a batch."""
+    target = targets("deepseek_v4")
+    inputs = left_padded_batch(target.config.vocab_size)
+    greedy = {"max_new_tokens": 24, "do_sample": False}
+    for batch in ({"input_ids": inputs["input_ids"][1:2]}, inputs):
+        expected = target.generate(**batch, pad_token_id=PAD, **greedy)
+        drafter = new_drafter(target, kind)
+        drafter.confidence = lambda residual, markov_embedding: residual.new_zeros(residual.shape[:-1]).float()
+        with scripted_copying(choose=False):  # a chain at every step; the call's own chooser takes it or not
+            got = target.generate(**batch, assistant_model=drafter, pad_token_id=PAD, **greedy)
+        assert torch.equal(got, expected)
+        assert drafter.last_generation_stats.copied_steps > 0
