@@ -9,16 +9,16 @@ token on, with two sources of a chain of k = 7 tokens after the step's newest to
 - drafter: the shipped HyperDFlash drafter's block at that token (one drafter forward over the whole reply with an
   anchor at every position and the target's features of the positions before it, as in training; its Markov head
   drawn left to right), and its confidence head's confidence at each position;
-- copy: the tokens that followed the most recent earlier occurrence of the longest suffix (3, 2 or 1 tokens) of the
-  prompt and reply so far, as a suffix-match proposer drafts.
+- copy: the runtime's copied chain (`context_copy.SuffixIndex`): what followed the most recent earlier occurrence of
+  the longest suffix (3, 2 or 1 tokens) of the prompt and reply so far.
 
 A step accepts the chain's longest prefix that matches the greedy reply, plus the target's bonus token. Reported,
 per prompt set: tau of each source alone; the hindsight bound (each step the source that is accepted further); and
-a chooser that decides before the target sees the step, from what it knows then: the drafter's expected tokens by its
-confidences calibrated on the steps so far (`AcceptanceCalibration`), against the copy's by the acceptance its
-matches of the same suffix length have had so far; with the share of the bound's gain over the drafter it reaches.
-Also the merged chain: the drafter's own, left to right, taking the copied token at each position while the drafter
-ranks it among its top 16 (a path over its top-k, as DFlash2 chooses one), and the bound of the three.
+the runtime's chooser (`context_copy.ChainChooser`, with the CPU cost model of the block drafter), which decides
+before the target sees the step and also chooses how much of a copy to verify; with the share of the bound's gain
+over the drafter it reaches. Also the merged chain: the drafter's own, left to right, taking the copied token at
+each position while the drafter ranks it among its top 16 (a path over its top-k, as DFlash2 chooses one), and the
+bound of the three.
 A replay, not a timing: each step's cost is one verify forward either way.
 """
 
@@ -33,26 +33,29 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_hyperdflash import reference
 from hf_hyperdflash.evaluation.datasets import load_prompt_set
-from hf_hyperdflash.modeling.draft_policy import AcceptanceCalibration, expected_tokens
+from hf_hyperdflash.modeling.context_copy import ChainChooser, SuffixIndex
+from hf_hyperdflash.modeling.context_copy import matched as accepted
+from hf_hyperdflash.modeling.draft_options import BLOCK_DRAFTER_TYPE, DRAFT_COSTS_BY_DEVICE
+from hf_hyperdflash.modeling.draft_policy import DraftCosts
 from hf_hyperdflash.modeling.targets import get_target_adapter
 
 DRAFTS = 7
-LONGEST_SUFFIX = 3
+COSTS = DraftCosts(**DRAFT_COSTS_BY_DEVICE["cpu"][BLOCK_DRAFTER_TYPE])  # what the runtime's chooser weighs on a CPU
 TOP_K = 16  # a copied token joins the merged chain while the drafter ranks it among its top 16 (DFlash2's width)
 
 
-def copied_chain(tokens: list[int], length: int) -> tuple[list[int], int]:
-    """What followed the most recent earlier occurrence of the longest suffix of `tokens` (at most `LONGEST_SUFFIX`
-    tokens), up to `length` tokens, and the suffix's length (0: no earlier occurrence)."""
-    for n in range(min(LONGEST_SUFFIX, len(tokens) - 1), 0, -1):
-        suffix = tokens[-n:]
-        for end in range(len(tokens) - 1, n - 1, -1):  # `end`: just after an earlier occurrence
-            if tokens[end - n : end] == suffix:
-                return tokens[end : end + length], n
-    return [], 0
+def context_chains(truth: list[int], first: int) -> list[tuple[list[int], int]]:
+    """The runtime's copied chain (`SuffixIndex.continuation`, `DRAFTS` long) and matched suffix at every anchor
+    column from `first` on, over the prompt and reply up to the anchor."""
+    index, chains = SuffixIndex(), []
+    index.extend(truth[: first + 1])
+    for column in range(first, len(truth) - 1):
+        chains.append(index.continuation(DRAFTS))
+        index.extend(truth[column + 1 : column + 2])
+    return chains
 
 
-def drafter_blocks(target, drafter, sequence: torch.LongTensor, first: int) -> tuple[list, list, list]:
+def drafter_blocks(target, drafter, sequence: torch.LongTensor, first: int, chains: list) -> tuple[list, list, list]:
     """The drafter's greedy chain, its confidences and its merged chain (`merged_chain`) at every anchor from column
     `first` on, from one forward."""
     adapter = get_target_adapter(target)
@@ -80,7 +83,7 @@ def drafter_blocks(target, drafter, sequence: torch.LongTensor, first: int) -> t
             tokens.append(previous)
         truth = sequence[0].tolist()
         merged = [
-            merged_chain(drafter, logits[column - first], truth[column], copied_chain(truth[: column + 1], DRAFTS)[0])
+            merged_chain(drafter, logits[column - first], truth[column], chains[column - first][0])
             for column in range(first, columns - 1)
         ]
     return torch.stack(tokens, 1).tolist(), torch.stack(confidences, 1).tolist(), merged
@@ -98,93 +101,52 @@ def merged_chain(drafter, logits: torch.Tensor, anchor: int, copied: list[int]) 
     return chain
 
 
-def accepted(chain: list[int], truth: list[int]) -> int:
-    count = 0
-    for drafted, right in zip(chain, truth, strict=False):
-        if drafted != right:
-            break
-        count += 1
-    return count
+RULES = ("drafter", "copy", "bound", "chooser", "merged", "bound of three")
 
 
-class Chooser:
-    """Chooses a source before the step is verified, and learns from each verified step what the target's tokens
-    tell of both sources: each is scored against the tokens the step verified (a source that matched all of them is
-    known to be accepted that far, no further).
-
-    `first_only`: judge the drafter by its first position's confidence alone, and by its running acceptance beyond
-    it, so nothing drawn decides (what keeps sampling exact); else by every position's confidence."""
-
-    def __init__(self, first_only: bool):
-        self.first_only = first_only
-        self.calibration = AcceptanceCalibration()
-        self.drafter_rates = Rates()  # the drafter's acceptance past its first draft
-        self.copy_rates: dict[int, Rates] = {}  # by the suffix length that matched
-
-    def choose(self, confidences: list[float], chain: list[int], suffix: int) -> str:
-        if self.first_only:
-            first = self.calibration.probability(confidences[0])
-            drafter = expected_tokens([first, *self.drafter_rates.rates(len(confidences))[1:]])[-1]
-        else:
-            drafter = expected_tokens([self.calibration.probability(c) for c in confidences])[-1]
-        copy = expected_tokens(self.copy_rates.setdefault(suffix, Rates()).rates(len(chain)))[-1] if chain else 0.0
-        return "copy" if copy > drafter else "drafter"
-
-    def learn(self, confidences: list[float], drafted: list[int], chain: list[int], suffix: int, known: list[int]):
-        by_drafter = accepted(drafted, known)
-        self.calibration.update(confidences[:1], 1, by_drafter)
-        self.drafter_rates.update(by_drafter, len(known), len(drafted))
-        if chain:
-            self.copy_rates.setdefault(suffix, Rates()).update(accepted(chain, known), len(known), len(chain))
+def choose(chooser: ChainChooser, chain: list[int], suffix: int, confidences: list[float], drafts: int) -> tuple:
+    """The runtime's two choices for one step: (copied drafts to verify, 0 for the drafter's; whether the drafter
+    ran)."""
+    copied = chooser.copies_first(len(chain), suffix, drafts)
+    if copied:
+        return copied, False
+    return chooser.copies_after(confidences[0], drafts, len(chain), suffix), True
 
 
-class Rates:
-    """P(draft j accepted | the ones before it were), per position, from a prior of one accept in two tries."""
-
-    def __init__(self):
-        self.accepted, self.tried = [1.0] * DRAFTS, [2.0] * DRAFTS
-
-    def rates(self, length: int) -> list[float]:
-        return [self.accepted[j] / self.tried[j] for j in range(length)]
-
-    def update(self, count: int, known: int, length: int) -> None:
-        """`count` drafts matched the `known` verified tokens; a miss inside them is a rejection."""
-        for j in range(min(count + 1, known, length)):
-            self.tried[j] += 1
-            self.accepted[j] += j < count
-
-
-RULES = ("drafter", "copy", "bound", "chooser", "chooser, first confidence", "merged", "bound of three")
-
-
-def replay(truth: list[int], first: int, blocks: list, confidences: list, merged: list) -> dict[str, float]:
+def replay(truth: list[int], first: int, blocks: list, confidences: list, merged: list, chains: list) -> dict:
     """tau of each way of choosing a step's chain, stepping along the greedy `truth` from column `first`."""
     end = len(truth) - 1
     taus = {}
     for rule in RULES:
-        chooser, column, steps, copied_steps = Chooser(first_only=rule.endswith("first confidence")), first, 0, 0
+        chooser = ChainChooser(DRAFTS, COSTS.step)
+        column, steps, copied_steps = first, 0, 0
         while column < end:
             room = end - column - 1  # drafts that leave room for the bonus token
             if room <= 0:  # the last token: a plain step, which no rule drafts for (nor counts, as the stats)
                 column += 1
                 continue
             right = truth[column + 1 : column + 1 + min(DRAFTS, room)]
-            chain, suffix = copied_chain(truth[: column + 1], min(DRAFTS, room))
+            chain, suffix = chains[column - first]
+            chain = chain[: len(right)]
             drafted = blocks[column - first][: len(right)]
             by_drafter, by_copy = accepted(drafted, right), accepted(chain, right)
-            conf = confidences[column - first][: len(right)]
             by_merged = accepted(merged[column - first][: len(right)], right)
-            if rule.startswith("chooser"):
-                choice = chooser.choose(conf, chain, suffix)
+            copied, ran = 0, True
+            if rule == "chooser":
+                copied, ran = choose(chooser, chain, suffix, confidences[column - first], len(right))
+                gained = accepted(chain[:copied], right) if copied else by_drafter
             elif rule == "bound":
-                choice = "copy" if by_copy > by_drafter else "drafter"
+                copied, gained = (len(chain), by_copy) if by_copy > by_drafter else (0, by_drafter)
             elif rule == "bound of three":
-                choice = max(("drafter", by_drafter), ("copy", by_copy), ("merged", by_merged), key=lambda x: x[1])[0]
+                gained = max(by_drafter, by_copy, by_merged)
             else:
-                choice = rule if rule != "copy" or chain else "drafter"
-            gained = {"copy": by_copy, "merged": by_merged}.get(choice, by_drafter)
-            chooser.learn(conf, drafted, chain, suffix, truth[column + 1 : column + 2 + gained])
-            copied_steps += choice == "copy"
+                gained = {"drafter": by_drafter, "copy": by_copy, "merged": by_merged}[rule]
+                copied = len(chain) if rule == "copy" else 0
+            known = truth[column + 1 : column + 2 + gained]
+            chooser.learn_copy(chain, suffix, known)
+            if ran:
+                chooser.learn_drafter(confidences[column - first][0], drafted, known)
+            copied_steps += bool(copied)
             column += gained + 1
             steps += 1
         taus[rule] = (column - first) / steps
@@ -205,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     drafter = AutoModel.from_pretrained(reference.drafter_path("hyperdflash"), dtype=torch.float32).eval()
     report = {"drafts": DRAFTS, "max_new_tokens": args.max_new_tokens, "sets": {}}
     columns = ["prompts", "drafter", "copy", "hindsight bound", "chooser (copied, share of the bound's gain)",
-               "chooser on first confidences (copied, share)", "merged", "bound of three"]  # fmt: skip
+               "merged", "bound of three"]  # fmt: skip
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for name in args.sets:
         per_prompt = []
@@ -218,22 +180,19 @@ def main(argv: list[str] | None = None) -> dict:
             first = prompt["input_ids"].shape[1]  # the reply's first token, which the prefill gives
             if sequence.shape[1] - first < 3:
                 continue
-            blocks, confidences, merged = drafter_blocks(target, drafter, sequence, first)
-            per_prompt.append(replay(sequence[0].tolist(), first, blocks, confidences, merged))
+            truth = sequence[0].tolist()
+            chains = context_chains(truth, first)
+            blocks, confidences, merged = drafter_blocks(target, drafter, sequence, first, chains)
+            per_prompt.append(replay(truth, first, blocks, confidences, merged, chains))
         summary = {key: statistics.mean(taus[key] for taus in per_prompt) for key in per_prompt[0]}
         gain = summary["bound"] - summary["drafter"]
-        for rule in ("chooser", "chooser, first confidence"):
-            summary[f"{rule} bound share"] = (summary[rule] - summary["drafter"]) / gain if gain else 0.0
+        summary["chooser bound share"] = (summary["chooser"] - summary["drafter"]) / gain if gain else 0.0
         summary["prompts"] = len(per_prompt)
         report["sets"][name] = summary
         print(
             f"| {name} ({len(per_prompt)}) | {summary['drafter']:.2f} | {summary['copy']:.2f} "
-            f"| {summary['bound']:.2f} "
-            + "".join(
-                f"| {summary[rule]:.2f} ({summary[rule + ' copied share']:.0%}, {summary[rule + ' bound share']:.0%}) "
-                for rule in ("chooser", "chooser, first confidence")
-            )
-            + f"| {summary['merged']:.2f} | {summary['bound of three']:.2f} |",
+            f"| {summary['bound']:.2f} | {summary['chooser']:.2f} ({summary['chooser copied share']:.0%}, "
+            f"{summary['chooser bound share']:.0%}) | {summary['merged']:.2f} | {summary['bound of three']:.2f} |",
             flush=True,
         )
     print(json.dumps(report, indent=2))
