@@ -1,5 +1,6 @@
-"""`hyperdflash` command line: demo (the quick start), train and eval (drafters), plan (a drafter's size and expected
-speedup for a target, from its config), build-reference (shipped models)."""
+"""`hyperdflash` command line: demo (the quick start), train and eval (drafters), features (the target's features
+stored for training), plan (a drafter's size and expected speedup for a target, from its config), build-reference
+(shipped models)."""
 
 # Building the parser imports neither torch nor transformers (the option tables live in light modules), so
 # `--help` answers at once; a command imports what it needs when it runs.
@@ -33,6 +34,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"{result.speculative_text}\n")
     print(f"identical outputs: {result.identical}")
     print(f"tau (mean accepted length per verify step, incl. bonus token): {result.tau:.2f}")
+    print(f"verify steps whose drafts were copied from the prompt and reply so far: {result.copied_share:.0%}")
     print(f"speedup over plain decoding (median of {args.repeats}): {result.speedup:.2f}x")
     return 0 if result.identical else 1
 
@@ -41,6 +43,13 @@ def _train(args: argparse.Namespace) -> int:
     from .training.command import run_train
 
     print(f"drafter saved to {run_train(args)}")
+    return 0
+
+
+def _features(args: argparse.Namespace) -> int:
+    from .training.command import run_features
+
+    print(f"feature store written to {run_features(args)}")
     return 0
 
 
@@ -109,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train_options.add_train_arguments(train).set_defaults(run=_train)
+
+    features = commands.add_parser(
+        "features",
+        help="run the target once over stored replies and keep what drafter training reads (train --feature-store)",
+        description=train_options.FEATURES_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train_options.add_features_arguments(features).set_defaults(run=_features)
 
     evaluate = commands.add_parser(
         "eval",

@@ -6,6 +6,7 @@ the loss curve against single-process training, and an exact resume.
 - 4 processes as a 2 x 2 mesh (`--target-parallel-size 2`): two copies, each its own half of the batch, the drafter's
   gradients averaged over them; the curve is that of 2 plain data-parallel processes, within the same tolerance.
 - The 2-process run stopped after a checkpoint and run again resumes to the uninterrupted curve, exactly.
+- A feature store built over the 2 processes (the first writes it) trains as the spread target does.
 - Sampled replies and the tau evaluation on a spread target: both processes sample the same replies (the first
   writes them) and take part in every evaluation's generate() calls.
 """
@@ -97,6 +98,36 @@ def test_two_copies_of_two_processes_train_as_two_data_parallel_processes(work):
     assert shard_sizes(work / "mesh") == {"shard-000.jsonl": len(PROMPTS) // 2, "shard-001.jsonl": len(PROMPTS) // 2}
     plain = train(work, work / "dp2", 2, "--batch-size", "2", "--data-dir", str(work / "mesh" / "data"))
     assert_same_curve(mesh, plain)
+
+
+def test_a_feature_store_built_over_two_processes_trains_as_the_spread_target(work):
+    """Both processes run the target over the replies and the first writes the store (one shard, every reply once);
+    training from it over two processes gives the curve of training against the spread target."""
+    flags = ("--batch-size", "4", "--target-parallel", "tp")
+    online = train(work, work / "online", 2, *flags)
+    store, data = work / "store", work / "online" / "data"
+    torchrun = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    command = [
+        sys.executable,
+        "-m",
+        *torchrun,
+        "-m",
+        "hf_hyperdflash.cli",
+        "features",
+        "--target",
+        str(work / "target"),
+    ]
+    command += ["--target-parallel", "tp", "--data-dir", str(data), "--output-dir", str(store), "--max-length", "96"]
+    run = subprocess.run(command, env=ENV, cwd=work, capture_output=True, timeout=900)
+    assert run.returncode == 0, run.stderr.decode()[-4000:]
+    shards = json.loads((store / "index.json").read_text())["shards"]
+    assert list(shards) == ["shard-00000.safetensors"] and len(shards["shard-00000.safetensors"]["keys"]) == len(
+        PROMPTS
+    )
+    assert sorted(path.name for path in store.iterdir()) == ["index.json", "shard-00000.safetensors"]
+    assert_same_curve(
+        train(work, work / "stored", 2, *flags, "--data-dir", str(data), "--feature-store", str(store)), online
+    )
 
 
 def test_a_stopped_spread_run_resumes_exactly(work):

@@ -21,7 +21,8 @@ from ..modeling.strict_loading import check_drafter_path
 from ..prompts import encode_prompt, load_prompts
 from . import options
 from .curves import read_log
-from .data import generate_replies, load_weighted_examples, reply_directories
+from .data import generate_replies, load_examples, load_weighted_examples, reply_directories
+from .feature_store import build_feature_store
 from .loop import DataShards, LoopConfig
 from .losses import LossConfig
 from .options import DEFAULTS, DRAFTER_KINDS, DSPARK, add_train_arguments, recipe_markov_rank, resolve_settings
@@ -29,7 +30,7 @@ from .replies import load_replies
 from .telemetry import PROJECT, tracker_config, trackers
 from .trainer import build_drafter, optimizer_factory, train_drafter, without_markov_bias
 
-__all__ = ["DEFAULTS", "DRAFTER_KINDS", "add_train_arguments", "main", "resolve_settings", "run_train"]
+__all__ = ["DEFAULTS", "DRAFTER_KINDS", "add_train_arguments", "main", "resolve_settings", "run_features", "run_train"]
 
 
 def _drafter_overrides(settings: dict) -> dict:
@@ -109,6 +110,35 @@ def _load_target(settings: dict, target_path: str | Path, accelerator: Accelerat
     return target, DataShards(accelerator.process_index // group, accelerator.num_processes // group)
 
 
+def _accelerator(settings: dict, **extra) -> Accelerator:
+    """This run's accelerator; under torchrun a collective waits at most `--collective-timeout` seconds."""
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=settings["collective_timeout"]))
+    return Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout], **extra)
+
+
+def run_features(args: argparse.Namespace) -> Path:
+    """Build (or extend) the feature store of `hyperdflash features`; returns its folder."""
+    given = vars(args)
+    settings = given | {name: DEFAULTS[name] for name, value in given.items() if value is None and name in DEFAULTS}
+    target_path = settings["target"] or _reference_target()
+    check_target_path(target_path)
+    accelerator = _accelerator(settings)
+    target, shards = _load_target(settings, target_path, accelerator)
+    if shards.count > 1:
+        raise ValueError(
+            f"{shards.count} copies of the target would write one store: run one process, or spread one copy over "
+            "all of them (--target-parallel without --target-parallel-size)."
+        )
+    examples = [
+        example for data_dir in settings["data_dir"] for example in load_examples(data_dir, settings["max_length"])
+    ]
+    store = Path(settings["output_dir"])
+    shard_bytes = int(settings["shard_megabytes"] * 2**20)
+    build_feature_store(target, examples, store, settings["layers"], settings["batch_size"], shard_bytes)
+    accelerator.wait_for_everyone()
+    return store
+
+
 def run_train(args: argparse.Namespace) -> Path:
     """Generate (or resume) the reply data, train (or resume) the drafter, save it; returns the drafter dir."""
     settings = resolve_settings(args)
@@ -131,9 +161,8 @@ def run_train(args: argparse.Namespace) -> Path:
     check_tokenizer_path(tokenizer_path)
     if settings["init_from"] is not None:
         check_drafter_path(settings["init_from"])
-    accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=settings["collective_timeout"]))],
+    accelerator = _accelerator(
+        settings,
         mixed_precision=loop.mixed_precision,
         log_with=trackers(settings["report_to"]) or None,  # accelerate warns of "no trackers installed" at []
         project_dir=run_dir,  # TensorBoard writes to run_dir/PROJECT
@@ -200,6 +229,7 @@ def run_train(args: argparse.Namespace) -> Path:
         make_optimizer=make_optimizer,
         accelerator=accelerator,
         shards=shards,
+        feature_store=settings["feature_store"],
     )
     if accelerator.is_main_process:
         measured = [record["tau"] for record in read_log(run_dir / "log.jsonl") if "tau" in record]

@@ -22,7 +22,7 @@ from ..modeling.modeling_hyperdflash import block_attention_mask
 from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
 from .collator import IGNORE_INDEX
-from .left_padding import target_inputs
+from .feature_store import target_features
 from .losses import acceptance_terms, accuracy_terms, teacher_logits
 
 LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "confidence": 1.0}
@@ -52,20 +52,24 @@ class DSparkWithFrozenTarget(nn.Module):
         super().__init__()
         self.drafter = drafter
         self.target = get_target_adapter(target)
+        self.layer_ids = list(drafter.config.dspark_target_layer_ids)
 
     @torch.no_grad()
     def _target_pass(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, anchor_positions: torch.LongTensor
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor,
+        anchor_positions: torch.LongTensor,
+        residual: torch.Tensor | None = None,
+        layers: torch.Tensor | None = None,
     ):
-        """The tapped layers' outputs and the target's logits at each block row's position (a + k), from a forward
-        run as generate()'s prefill runs it (`left_padding.target_inputs`)."""
-        config = self.drafter.config
-        with self.target.capture() as final, self.target.capture(config.dspark_target_layer_ids) as tapped:
-            self.target.model.model(**target_inputs(input_ids, attention_mask), use_cache=False)
-            teacher = teacher_logits(
-                self.target, final.features(), anchor_positions, config.dspark_block_size, kind="gated"
-            )
-            return tapped.features(), teacher
+        """The tapped layers' outputs and the target's logits at each block row's position (a + k), from the feature
+        store where the batch carries them (`residual`, `layers`), else from one frozen target forward
+        (`feature_store.target_features`)."""
+        if residual is None:
+            residual, layers = target_features(self.target, input_ids, attention_mask, self.layer_ids)
+        rows = self.drafter.config.dspark_block_size
+        return layers, teacher_logits(self.target, residual, anchor_positions, rows, kind="gated")
 
     def forward(
         self,
@@ -73,10 +77,16 @@ class DSparkWithFrozenTarget(nn.Module):
         attention_mask: torch.Tensor,
         anchor_positions: torch.LongTensor,
         labels: torch.LongTensor,
+        target_residual: torch.Tensor | None = None,
+        target_layers: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
+        """The batch's loss terms; `target_residual` and `target_layers`: the target's stored tensors of the batch
+        (`feature_store.StoredFeatureCollator`), in place of a target forward."""
         config, drafter = self.drafter.config, self.drafter
         rows = config.dspark_block_size
-        features, teacher = self._target_pass(input_ids, attention_mask, anchor_positions)
+        features, teacher = self._target_pass(
+            input_ids, attention_mask, anchor_positions, target_residual, target_layers
+        )
         batch, length = input_ids.shape
         anchors = input_ids.gather(1, anchor_positions)
         noise = anchors.new_full((*anchors.shape, rows - 1), config.dspark_noise_token_id)

@@ -93,6 +93,7 @@ DEFAULTS = {
     "max_prompt_chars": None,
     "data_dir": None,
     "replies": None,
+    "feature_store": None,
     "max_new_tokens": 256,
     "temperature": None,
     "reply_weights": None,
@@ -164,19 +165,14 @@ def max_memory_option(text: str) -> dict:
     return sizes
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Every `hyperdflash train` option, grouped, plus `--config`."""
-    parser.add_argument("--config", type=Path, help="JSON file of option values (underscore keys); flags win.")
-    flag = argparse.BooleanOptionalAction
-
-    models = parser.add_argument_group("models")
+def add_target_arguments(models: argparse._ArgumentGroup) -> None:
+    """The options that load the frozen target (`command._load_target`), shared by `train` and `features`."""
     _option(
         models,
         "--target",
         "Path or Hub id of the mHC target (DeepSeek-V4, HY-V4, GLM-5-Next or Qwen4-Exp). Default: the shipped "
         "reference target.",
     )
-    _option(models, "--tokenizer", "Tokenizer path or Hub id. Default: the reference's, or the target's.")
     _option(models, "--target-dtype", "dtype of the frozen target.", choices=["auto", "float32", "bfloat16"])
     _option(
         models,
@@ -222,6 +218,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "own collectives), then every process stops. Default: 1800.",
         type=float,
     )
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every `hyperdflash train` option, grouped, plus `--config`."""
+    parser.add_argument("--config", type=Path, help="JSON file of option values (underscore keys); flags win.")
+    flag = argparse.BooleanOptionalAction
+
+    models = parser.add_argument_group("models")
+    add_target_arguments(models)
+    _option(models, "--tokenizer", "Tokenizer path or Hub id. Default: the reference's, or the target's.")
 
     drafter = parser.add_argument_group("drafter")
     _option(
@@ -313,6 +319,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "Train on replies generated elsewhere (e.g. by vLLM) instead of generating them: a JSONL file of "
         "{'messages': [...], 'reply': TEXT} or {'messages': [...], 'reply_ids': [...], 'prompt_ids': [...]} records, "
         "checked against the target's tokenizer and chat template. --data and the generation options are then unused.",
+    )
+    _option(
+        data,
+        "--feature-store",
+        "Read the target's features from this store (`hyperdflash features`, built from the same replies and "
+        "--max-length) instead of running the target's forward at every step; the losses are those of online "
+        "training. Needs --left-padding-share 0.",
     )
     _option(data, "--max-new-tokens", "Longest reply per prompt.", type=int)
     _option(
@@ -428,6 +441,51 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "(all), or none. Needs the tracker's package (the `telemetry` extra).",
         choices=list(REPORT_TO),
     )
+    return parser
+
+
+FEATURES_DESCRIPTION = """Run the frozen target once over stored replies and keep what drafter training reads from it.
+
+    hyperdflash features --data-dir runs/drafter/data --output-dir runs/features
+    hyperdflash train --output-dir runs/drafter --feature-store runs/features
+    torchrun --nproc_per_node 8 -m hf_hyperdflash.cli features --target PATH --target-parallel tp+ep ...
+
+The store holds, per token sequence, the target's final pre-collapse residual (HyperDFlash's conditioning, and what
+the KL and L1 teachers are derived from) and, with --layers, those layers' outputs (vanilla DFlash, DSpark), in
+safetensors shards with an index. Rerunning the command adds the replies not stored yet. Under torchrun the target is
+spread over the processes as `hyperdflash train` spreads it (--target-parallel), and the first process writes.
+"""
+
+
+def add_features_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every `hyperdflash features` option: the replies, the store, and the target as `train` loads it."""
+    store = parser.add_argument_group("store")
+    store.add_argument(
+        "--data-dir",
+        nargs="+",
+        required=True,
+        help="Folders of the target's replies as `hyperdflash train` writes them: OUTPUT_DIR/data, or with several "
+        "--temperature values each of its temperature-T folders.",
+    )
+    store.add_argument(
+        "--output-dir", required=True, help="The store's folder (shards and index.json); a rerun adds what is missing."
+    )
+    store.add_argument(
+        "--layers",
+        type=_int_list,
+        help="Also store these target layers' outputs (comma-separated), for drafters conditioned on intermediate "
+        "layers (vanilla DFlash's --target-layer-ids, DSpark's last three). Default: the residual only (HyperDFlash).",
+    )
+    _option(
+        store, "--max-length", "Cut sequences (prompt + reply) as training cuts them: pass the same value.", type=int
+    )
+    store.add_argument(
+        "--batch-size", type=int, default=8, help="Sequences per target forward (default: %(default)s)."
+    )
+    store.add_argument(
+        "--shard-megabytes", type=float, default=1024, help="Size of a shard file in MiB (default: %(default)s)."
+    )
+    add_target_arguments(parser.add_argument_group("target"))
     return parser
 
 

@@ -2,7 +2,8 @@
 
 Target features are computed online: every batch runs the frozen target once over the padded sequences,
 capturing the final pre-collapse residual (conditioning and KL teacher) and, for `conditioning="intermediate"`,
-the outputs of `target_layer_ids`. The drafter then drafts all sampled blocks of every sequence in one forward.
+the outputs of `target_layer_ids`; or they are read from a feature store built once (`feature_store.py`). The
+drafter then drafts all sampled blocks of every sequence in one forward.
 The loop is `run_training` (accelerate: multi-process, accumulation, cosine LR, clipping, bf16, resume).
 """
 
@@ -30,7 +31,7 @@ from ..modeling.targets import get_target_adapter
 from .collator import IGNORE_INDEX, BlockCollator
 from .curves import plot_curves
 from .dspark import DSparkWithFrozenTarget
-from .left_padding import target_inputs
+from .feature_store import FeatureStore, StoredFeatureCollator, target_features
 from .loop import DataShards, EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
 from .losses import (
     LossConfig,
@@ -154,20 +155,26 @@ class DrafterWithFrozenTarget(nn.Module):
 
     @torch.no_grad()
     def _target_pass(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, anchor_positions: torch.LongTensor
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor,
+        anchor_positions: torch.LongTensor,
+        residual: torch.Tensor | None = None,
+        layers: torch.Tensor | None = None,
     ):
-        """Conditioning features, KL teacher logits and anchor embeddings from one frozen target forward, run as
-        generate()'s prefill runs it (`left_padding.target_inputs`)."""
-        with self.target.capture() as final, self.target.capture(self.layer_ids) as conditioning:
-            self.target.model.model(**target_inputs(input_ids, attention_mask), use_cache=False)
-            features = conditioning.features()
-            teacher = teacher_logits(
-                self.target, final.features(), anchor_positions, self.losses.kl_positions, self.losses.teacher
-            )
-            every_slot = None
-            if self.every_slot:
-                drafted = self.drafter.config.block_size - 1
-                every_slot = teacher_logits(self.target, final.features(), anchor_positions, drafted, "gated")
+        """Conditioning features, KL teacher logits, every-slot logits and anchor embeddings. The final pre-collapse
+        residual (and the conditioning layers' outputs) come from the feature store where the batch carries them
+        (`residual`, `layers`), else from one frozen target forward (`feature_store.target_features`)."""
+        if residual is None:
+            residual, features = target_features(self.target, input_ids, attention_mask, self.layer_ids)
+        else:
+            features = residual if self.layer_ids is None else layers
+        kl_positions, kind = self.losses.kl_positions, self.losses.teacher
+        teacher = teacher_logits(self.target, residual, anchor_positions, kl_positions, kind)
+        every_slot = None
+        if self.every_slot:
+            drafted = self.drafter.config.block_size - 1
+            every_slot = teacher_logits(self.target, residual, anchor_positions, drafted, "gated")
         return features, teacher, every_slot, self.target.embed_tokens(input_ids.gather(1, anchor_positions))
 
     def forward(
@@ -176,8 +183,14 @@ class DrafterWithFrozenTarget(nn.Module):
         attention_mask: torch.Tensor,
         anchor_positions: torch.LongTensor,
         labels: torch.LongTensor,
+        target_residual: torch.Tensor | None = None,
+        target_layers: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        features, teacher, every_slot, anchor_embeds = self._target_pass(input_ids, attention_mask, anchor_positions)
+        """The batch's loss terms; `target_residual` and `target_layers`: the target's stored tensors of the batch
+        (`feature_store.StoredFeatureCollator`), in place of a target forward."""
+        features, teacher, every_slot, anchor_embeds = self._target_pass(
+            input_ids, attention_mask, anchor_positions, target_residual, target_layers
+        )
         batch, length = input_ids.shape
         out = self.drafter(  # positions by column: a row's left padding shifts them all alike (RoPE is relative)
             anchor_embeds=anchor_embeds,
@@ -256,6 +269,7 @@ def train_drafter(
     on_checkpoint: Callable[[int], None] | None = None,
     shards: DataShards | None = None,
     left_padding: tuple[float, int] = (0.0, 0),
+    feature_store: str | Path | None = None,
 ) -> HyperDFlashForDrafting:
     """Train `drafter` on `examples` (from `load_examples`) and return it as a plain drafter (LoRA merged). A DSpark
     drafter trains with DeepSpec's objective (`dspark.py`; `losses` is HyperDFlash's). `left_padding` (share, most):
@@ -267,6 +281,10 @@ def train_drafter(
     data, and every process takes part in the tau evaluation). `run_dir` receives the checkpoint (resumed
     automatically), `log.jsonl` (every loss term, accuracies, lr, throughput, and `tau` on `eval_prompts` every
     `loop.eval_every` steps; also sent to the accelerator's trackers) and `curves.png`.
+
+    `feature_store`: a store built from `examples` with this target (`feature_store.build_feature_store`), read in
+    place of the target's forward (its collapse, norm and `lm_head` still derive the teachers from the stored
+    residual); the losses are those of online training.
     """
     losses = losses or LossConfig()
     if isinstance(_draft_model(drafter), DeepseekV4DSparkForDrafting):  # DeepSpec's objective (`dspark.py`)
@@ -278,6 +296,11 @@ def train_drafter(
     pad_token_id = target.config.get_text_config().pad_token_id
     pad_token_id = pad_token_id if pad_token_id is not None else 0
     collate = BlockCollator(block_size, anchors_per_sequence, pad_token_id, loop.seed, left_padding)
+    if feature_store is not None:
+        store = FeatureStore(feature_store)
+        store.check(module.target, module.layer_ids)
+        store.check_covers(examples)
+        collate = StoredFeatureCollator(collate, store, module.layer_ids)
     module = run_training(
         module,
         examples,
