@@ -149,3 +149,20 @@ def test_a_drafter_whose_heads_cut_its_whole_block_leaves_the_choice_to_the_copy
             got = target.generate(**batch, assistant_model=drafter, pad_token_id=PAD, **greedy)
         assert torch.equal(got, expected)
         assert drafter.last_generation_stats.copied_steps > 0
+
+
+def test_a_seeded_sampled_call_with_copied_chains_repeats(targets):
+    """The chooser decides from the tokens alone, so a seeded call copies at the same steps and samples the same."""
+    target = targets("deepseek_v4")
+    inputs = left_padded_batch(target.config.vocab_size)
+    sampled = {"max_new_tokens": 24, "do_sample": True, "temperature": 1.5}
+    for batch in ({"input_ids": inputs["input_ids"][1:2]}, inputs):
+        drafter = new_drafter(target, "hyperdflash")
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(7)
+            with scripted_copying(choose=False):  # the call's own chooser, with a chain at every step
+                runs.append(target.generate(**batch, assistant_model=drafter, pad_token_id=PAD, **sampled))
+            runs.append(drafter.last_generation_stats.accepted_by_source)
+        assert torch.equal(runs[0], runs[2]) and runs[1] == runs[3]
+        assert runs[1]["context"], "no step verified a copied chain"
