@@ -4,6 +4,10 @@ Split rule: a conversation is held out when the first 8 hex digits of
 `sha256(base_id)`, read as an integer, modulo 100 is below `HELD_OUT_PERCENT` (6).
 `base_id` is the id without its `_<chunk>` suffix, so every chunk of one original
 conversation lands on the same side. Nothing in this project trains on the held-out side.
+
+The split is by conversation, not by text: some train conversations open with the very prompt a held-out one
+opens with ("Continue", "Hello", popular questions). `repeats_held_out_prompt` flags such a text (compared
+whitespace-collapsed and lower-cased), so that training can leave out the replies to it.
 """
 
 from __future__ import annotations
@@ -92,3 +96,23 @@ def load_conversations(split: Split) -> list[Conversation]:
         raise ValueError(f"split must be 'train' or 'held_out', got {split!r}.")
     want_held_out = split == "held_out"
     return [c for c in _all_conversations() if is_held_out(c.id) == want_held_out]
+
+
+def normalize_prompt_text(text: str) -> str:
+    """`text` as prompts are compared across the split: runs of whitespace as one space, lower-cased."""
+    if not isinstance(text, str):
+        raise ValueError(f"A prompt text must be a string, got {type(text).__name__}.")
+    return " ".join(text.split()).lower()
+
+
+@lru_cache(maxsize=1)
+def held_out_prompt_texts() -> frozenset[str]:
+    """The normalized first user prompts of the held-out conversations (what ShareGPT evaluation prompts with)."""
+    return frozenset(
+        normalize_prompt_text(c.first_prompt) for c in load_conversations("held_out") if c.first_prompt is not None
+    )
+
+
+def repeats_held_out_prompt(text: str) -> bool:
+    """Whether `text` (a user prompt) equals, once normalized, the first prompt of a held-out conversation."""
+    return normalize_prompt_text(text) in held_out_prompt_texts()

@@ -18,10 +18,10 @@ from ..command_errors import run_command
 from ..distributed import load_spread_target
 from ..loading import check_target_path, check_tokenizer_path, load_target
 from ..modeling.strict_loading import check_drafter_path
-from ..prompts import encode_prompt, load_prompts
+from ..prompts import Messages, encode_prompt, load_prompts
 from . import options
 from .curves import read_log
-from .data import generate_replies, load_examples, load_weighted_examples, reply_directories
+from .data import generate_replies, held_out_repeats, load_examples, load_weighted_examples, reply_directories
 from .feature_store import build_feature_store
 from .loop import DataShards, LoopConfig
 from .losses import LossConfig
@@ -116,6 +116,22 @@ def _accelerator(settings: dict, **extra) -> Accelerator:
     return Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout], **extra)
 
 
+def _prompts_not_to_train_on(settings: dict, prompts: list[Messages], accelerator: Accelerator) -> frozenset[int]:
+    """Indices of the ShareGPT train prompts that repeat a held-out prompt (`data.held_out_repeats`), whose replies
+    are generated (the prompt list stays as it is, so reply generation resumes) but not trained on. Reported in one
+    line and as `held_out_repeats_left_out` in the saved settings; other prompt sources are used whole."""
+    if settings["data"] != "sharegpt" or settings["data_split"] != "train":
+        return frozenset()
+    skipped = held_out_repeats(prompts)
+    settings["held_out_repeats_left_out"] = len(skipped)
+    if accelerator.is_main_process:
+        print(
+            f"Training leaves out the replies to {len(skipped)} of {len(prompts)} ShareGPT train prompts whose text "
+            "repeats a held-out prompt (ShareGPT evaluation prompts with those)."
+        )
+    return skipped
+
+
 def run_features(args: argparse.Namespace) -> Path:
     """Build (or extend) the feature store of `hyperdflash features`; returns its folder."""
     given = vars(args)
@@ -206,7 +222,10 @@ def run_train(args: argparse.Namespace) -> Path:
                 world_size=shards.count,
             )
         accelerator.wait_for_everyone()
-        examples = load_weighted_examples(list(reply_dirs.values()), settings["reply_weights"], settings["max_length"])
+        skipped = _prompts_not_to_train_on(settings, prompts, accelerator)
+        examples = load_weighted_examples(
+            list(reply_dirs.values()), settings["reply_weights"], settings["max_length"], skip_indices=skipped
+        )
     eval_prompts = []
     if settings["eval_prompts"]:
         messages = load_prompts(settings["eval_data"], settings["eval_split"], settings["eval_prompts"])

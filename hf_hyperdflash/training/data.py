@@ -5,7 +5,9 @@ A drafter should imitate what the *target* says, so every prompt is re-answered 
 one record per prompt (`{"index", "input_ids", "loss_mask"}`, loss_mask 1 on reply tokens), so an
 interrupted run resumes where it stopped and several processes can answer disjoint prompts at once.
 
-The prompts come from `hf_hyperdflash.prompts` (ShareGPT, a JSONL file or a Hugging Face dataset).
+The prompts come from `hf_hyperdflash.prompts` (ShareGPT, a JSONL file or a Hugging Face dataset). Replies are
+generated for every prompt of the list (its hash guards resuming), and training leaves out those to prompts that repeat
+a held-out ShareGPT prompt (`held_out_repeats`, `load_examples(skip_indices=...)`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from itertools import groupby
@@ -26,6 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..decoding import decoding_settings
 from ..modeling.rank_agreement import RankAgreement
 from ..prompts import Messages, encode_prompt
+from ..sharegpt import repeats_held_out_prompt
 
 SETTINGS_FILE = "settings.json"
 
@@ -216,16 +219,33 @@ def _answer(
     progress.close()
 
 
-def load_examples(data_dir: str | Path, max_length: int | None = None) -> list[dict[str, torch.Tensor]]:
+def held_out_repeats(prompts: Sequence[Messages]) -> frozenset[int]:
+    """Indices of the prompts whose user turn repeats the first prompt of a held-out ShareGPT conversation
+    (`sharegpt.repeats_held_out_prompt`): training on their replies would leak ShareGPT evaluation prompts."""
+    indices = set()
+    for index, messages in enumerate(prompts):
+        if not messages or messages[-1].get("role") != "user":
+            raise ValueError(f"Prompt {index} does not end with a user turn; prompts come from `load_prompts`.")
+        if repeats_held_out_prompt(messages[-1]["content"]):
+            indices.add(index)
+    return frozenset(indices)
+
+
+def load_examples(
+    data_dir: str | Path, max_length: int | None = None, skip_indices: Collection[int] = frozenset()
+) -> list[dict[str, torch.Tensor]]:
     """Training examples in prompt order: `input_ids` (long) and `loss_mask` (bool), cut to `max_length`.
 
-    Examples left with no reply token after the cut are dropped (they would give no draft block).
+    The replies to the prompts in `skip_indices` (e.g. `held_out_repeats`) are left out, and so are examples left
+    with no reply token after the cut (they would give no draft block).
     """
     records = sorted(_read_records(Path(data_dir)), key=lambda record: record["index"])
     if not records:
         raise ValueError(f"No generated replies in {data_dir}; run the data generation first.")
     examples = []
     for record in records:
+        if record["index"] in skip_indices:
+            continue
         input_ids = torch.tensor(record["input_ids"][:max_length], dtype=torch.long)
         loss_mask = torch.tensor(record["loss_mask"][:max_length], dtype=torch.bool)
         if loss_mask[1:].any():
@@ -234,11 +254,15 @@ def load_examples(data_dir: str | Path, max_length: int | None = None) -> list[d
 
 
 def load_weighted_examples(
-    reply_dirs: Sequence[str | Path], weights: Sequence[int], max_length: int | None = None
+    reply_dirs: Sequence[str | Path],
+    weights: Sequence[int],
+    max_length: int | None = None,
+    skip_indices: Collection[int] = frozenset(),
 ) -> list[dict[str, torch.Tensor]]:
-    """The examples of each folder, listed `weight` times over, so that an epoch sees each reply that often."""
+    """The examples of each folder (less the replies to `skip_indices`), listed `weight` times over, so that an
+    epoch sees each reply that often."""
     return [
         example
         for reply_dir, weight in zip(reply_dirs, weights, strict=True)
-        for example in load_examples(reply_dir, max_length) * weight
+        for example in load_examples(reply_dir, max_length, skip_indices) * weight
     ]
