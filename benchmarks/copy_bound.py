@@ -13,12 +13,13 @@ token on, with two sources of a chain of k = 7 tokens after the step's newest to
   the longest suffix (3, 2 or 1 tokens) of the prompt and reply so far.
 
 A step accepts the chain's longest prefix that matches the greedy reply, plus the target's bonus token. Reported,
-per prompt set: tau of each source alone; the hindsight bound (each step the source that is accepted further); and
-the runtime's chooser (`context_copy.ChainChooser`, with the CPU cost model of the block drafter), which decides
-before the target sees the step and also chooses how much of a copy to verify; with the share of the bound's gain
-over the drafter it reaches. Also the merged chain: the drafter's own, left to right, taking the copied token at
-each position while the drafter ranks it among its top 16 (a path over its top-k, as DFlash2 chooses one), and the
-bound of the three.
+per prompt set, with tau pooled over its prompts' steps as the runtime counts it: tau of each source alone; the
+hindsight bound (each step the source that is accepted further); and the runtime's chooser
+(`context_copy.ChainChooser`, with the CPU cost model of the block drafter), which decides before the target sees
+the step and also chooses how much of a copy to verify, and the same chooser as the constant schedule runs it
+(expected tokens alone, after the drafter's forward); with the share of the bound's gain over the drafter each
+reaches. Also the merged chain: the drafter's own, left to right, taking the copied token at each position while the
+drafter ranks it among its top 16 (a path over its top-k, as DFlash2 chooses one), and the bound of the three.
 A replay, not a timing: each step's cost is one verify forward either way.
 """
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -101,7 +101,10 @@ def merged_chain(drafter, logits: torch.Tensor, anchor: int, copied: list[int]) 
     return chain
 
 
-RULES = ("drafter", "copy", "bound", "chooser", "merged", "bound of three")
+# "chooser": the runtime's under the default schedule (the CPU cost model: it may copy without the drafter's forward,
+# and verifies the prefix of a copy that pays); "chooser, whole blocks": under the constant schedule (no cost model:
+# expected tokens alone, after the drafter's forward), the tau comparison
+RULES = ("drafter", "copy", "bound", "chooser", "chooser, whole blocks", "merged", "bound of three")
 
 
 def choose(chooser: ChainChooser, chain: list[int], suffix: int, confidences: list[float], drafts: int) -> tuple:
@@ -114,11 +117,12 @@ def choose(chooser: ChainChooser, chain: list[int], suffix: int, confidences: li
 
 
 def replay(truth: list[int], first: int, blocks: list, confidences: list, merged: list, chains: list) -> dict:
-    """tau of each way of choosing a step's chain, stepping along the greedy `truth` from column `first`."""
+    """Per way of choosing a step's chain, stepping along the greedy `truth` from column `first`: (tokens, verify
+    steps), and (copied steps, verify steps)."""
     end = len(truth) - 1
     taus = {}
     for rule in RULES:
-        chooser = ChainChooser(DRAFTS, COSTS.step)
+        chooser = ChainChooser(DRAFTS, None if rule.endswith("whole blocks") else COSTS.step)
         column, steps, copied_steps = first, 0, 0
         while column < end:
             room = end - column - 1  # drafts that leave room for the bonus token
@@ -132,7 +136,7 @@ def replay(truth: list[int], first: int, blocks: list, confidences: list, merged
             by_drafter, by_copy = accepted(drafted, right), accepted(chain, right)
             by_merged = accepted(merged[column - first][: len(right)], right)
             copied, ran = 0, True
-            if rule == "chooser":
+            if rule.startswith("chooser"):
                 copied, ran = choose(chooser, chain, suffix, confidences[column - first], len(right))
                 gained = accepted(chain[:copied], right) if copied else by_drafter
             elif rule == "bound":
@@ -149,8 +153,8 @@ def replay(truth: list[int], first: int, blocks: list, confidences: list, merged
             copied_steps += bool(copied)
             column += gained + 1
             steps += 1
-        taus[rule] = (column - first) / steps
-        taus[f"{rule} copied share"] = copied_steps / steps
+        taus[rule] = (column - first, steps)  # tokens and verify steps: tau pools them over prompts
+        taus[f"{rule} copied"] = (copied_steps, steps)
     return taus
 
 
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     drafter = AutoModel.from_pretrained(reference.drafter_path("hyperdflash"), dtype=torch.float32).eval()
     report = {"drafts": DRAFTS, "max_new_tokens": args.max_new_tokens, "sets": {}}
     columns = ["prompts", "drafter", "copy", "hindsight bound", "chooser (copied, share of the bound's gain)",
-               "merged", "bound of three"]  # fmt: skip
+               "chooser, whole blocks (copied, share)", "merged", "bound of three"]  # fmt: skip
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for name in args.sets:
         per_prompt = []
@@ -184,15 +188,24 @@ def main(argv: list[str] | None = None) -> dict:
             chains = context_chains(truth, first)
             blocks, confidences, merged = drafter_blocks(target, drafter, sequence, first, chains)
             per_prompt.append(replay(truth, first, blocks, confidences, merged, chains))
-        summary = {key: statistics.mean(taus[key] for taus in per_prompt) for key in per_prompt[0]}
+        summary = {  # pooled over prompts, as the runtime's stats and `hyperdflash eval` pool tau
+            key.replace(" copied", " copied share"): sum(taus[key][0] for taus in per_prompt)
+            / sum(taus[key][1] for taus in per_prompt)
+            for key in per_prompt[0]
+        }
         gain = summary["bound"] - summary["drafter"]
-        summary["chooser bound share"] = (summary["chooser"] - summary["drafter"]) / gain if gain else 0.0
+        for rule in ("chooser", "chooser, whole blocks"):
+            summary[f"{rule} bound share"] = (summary[rule] - summary["drafter"]) / gain if gain else 0.0
         summary["prompts"] = len(per_prompt)
         report["sets"][name] = summary
         print(
             f"| {name} ({len(per_prompt)}) | {summary['drafter']:.2f} | {summary['copy']:.2f} "
-            f"| {summary['bound']:.2f} | {summary['chooser']:.2f} ({summary['chooser copied share']:.0%}, "
-            f"{summary['chooser bound share']:.0%}) | {summary['merged']:.2f} | {summary['bound of three']:.2f} |",
+            f"| {summary['bound']:.2f} "
+            + "".join(
+                f"| {summary[rule]:.2f} ({summary[rule + ' copied share']:.0%}, {summary[rule + ' bound share']:.0%}) "
+                for rule in ("chooser", "chooser, whole blocks")
+            )
+            + f"| {summary['merged']:.2f} | {summary['bound of three']:.2f} |",
             flush=True,
         )
     print(json.dumps(report, indent=2))
