@@ -22,7 +22,7 @@ from ..modeling.modeling_hyperdflash import block_attention_mask
 from ..modeling.target_base import activation_dtype
 from ..modeling.targets import get_target_adapter
 from .collator import IGNORE_INDEX
-from .feature_store import target_features
+from .feature_store import batch_features
 from .losses import acceptance_terms, accuracy_terms, teacher_logits
 
 LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "confidence": 1.0}
@@ -65,9 +65,8 @@ class DSparkWithFrozenTarget(nn.Module):
     ):
         """The tapped layers' outputs and the target's logits at each block row's position (a + k), from the feature
         store where the batch carries them (`residual`, `layers`), else from one frozen target forward
-        (`feature_store.target_features`)."""
-        if residual is None:
-            residual, layers = target_features(self.target, input_ids, attention_mask, self.layer_ids)
+        (`feature_store.batch_features`)."""
+        residual, layers = batch_features(self.target, input_ids, attention_mask, self.layer_ids, residual, layers)
         rows = self.drafter.config.dspark_block_size
         return layers, teacher_logits(self.target, residual, anchor_positions, rows, kind="gated")
 

@@ -80,6 +80,21 @@ def target_features(
     return final.features(), conditioning.features()
 
 
+def batch_features(
+    target: HyperConnectionTarget,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    layer_ids: Sequence[int] | None,
+    residual: torch.Tensor | None = None,
+    layers: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training batch's (final pre-collapse residual, conditioning features): the store's (`residual`, `layers`)
+    where the batch carries them (`StoredFeatureCollator`), else from one frozen target forward (`target_features`)."""
+    if residual is None:
+        return target_features(target, input_ids, attention_mask, layer_ids)
+    return residual, residual if layer_ids is None else layers
+
+
 def _new_index(target: HyperConnectionTarget, layer_ids: Sequence[int] | None) -> dict:
     return {
         "version": FORMAT_VERSION,

@@ -31,7 +31,7 @@ from ..modeling.targets import get_target_adapter
 from .collator import IGNORE_INDEX, BlockCollator
 from .curves import plot_curves
 from .dspark import DSparkWithFrozenTarget
-from .feature_store import FeatureStore, StoredFeatureCollator, target_features
+from .feature_store import FeatureStore, StoredFeatureCollator, batch_features
 from .loop import DataShards, EvalFn, LoopConfig, OptimizerFactory, adamw, run_training
 from .losses import (
     LossConfig,
@@ -164,11 +164,8 @@ class DrafterWithFrozenTarget(nn.Module):
     ):
         """Conditioning features, KL teacher logits, every-slot logits and anchor embeddings. The final pre-collapse
         residual (and the conditioning layers' outputs) come from the feature store where the batch carries them
-        (`residual`, `layers`), else from one frozen target forward (`feature_store.target_features`)."""
-        if residual is None:
-            residual, features = target_features(self.target, input_ids, attention_mask, self.layer_ids)
-        else:
-            features = residual if self.layer_ids is None else layers
+        (`residual`, `layers`), else from one frozen target forward (`feature_store.batch_features`)."""
+        residual, features = batch_features(self.target, input_ids, attention_mask, self.layer_ids, residual, layers)
         kl_positions, kind = self.losses.kl_positions, self.losses.teacher
         teacher = teacher_logits(self.target, residual, anchor_positions, kl_positions, kind)
         every_slot = None
