@@ -108,7 +108,6 @@ class Step:
     uncached: list[int]
     anchors: list[int]
     drafter_forwards: int
-    policy_drafts: bool = True  # the policy drafts this step (else it waits: the step may still verify copies)
 
     def fed(self, row: int) -> int:
         """Committed tokens the row feeds before its drafts."""
@@ -264,19 +263,19 @@ class BatchedSpeculativeLoop:
         if final is not None and min(rows.committed) >= final:  # every column is known: feed the rest, no drafts
             return Step(final - 1 - cache_length, uncached, anchors, 0)
         room = self.config.max_length - 2 - cache_length  # no row may commit past max_length
-        most, drafts = generator.draft_budget(room)
-        needs = [
-            most > 0 and not rows.ended(r) and self.context_end[r] == anchors[r] and self.drafts.stale(r, anchors[r])
-            for r in range(rows.batch)
-        ]
+        most, runs_drafter = generator.draft_budget(room)
         # A batch copies only on the steps its policy drafts: a row's copy gains the batch nothing until its slowest
         # row gains too, and every drafted position costs every row (docs/batched.md)
-        copies = self._copies_first(anchors, needs, most) if self.contexts is not None and drafts else {}
-        if not (drafts or copies):
+        if not runs_drafter:
             if most > 0:
                 generator.skip()
-            return Step(1, uncached, anchors, 0, drafts)
-        drafting = [need and drafts and r not in copies for r, need in enumerate(needs)]
+            return Step(1, uncached, anchors, 0)
+        needs = [
+            not rows.ended(r) and self.context_end[r] == anchors[r] and self.drafts.stale(r, anchors[r])
+            for r in range(rows.batch)
+        ]
+        copies = self._copies_first(anchors, needs, most) if self.contexts is not None else {}
+        drafting = [need and r not in copies for r, need in enumerate(needs)]
         forwards = 0
         if any(drafting):
             drafted = generator.draft_rows(anchors, rows.ids, drafting, most, cache_length, self.pad_id)
@@ -291,7 +290,7 @@ class BatchedSpeculativeLoop:
             self.drafts.store_copies(chains, chances, anchors)
         limiting = [not rows.ended(r) for r in range(rows.batch)]
         width = 1 + self.drafts.cut(self.policy, uncached, anchors, limiting, min(most + EXTRA_VERIFY_WIDTH, room))
-        return Step(width, uncached, anchors, forwards, drafts)
+        return Step(width, uncached, anchors, forwards)
 
     def _copies_first(self, anchors: list[int], needs: list[bool], most: int) -> dict[int, int]:
         """Each row that needs new drafts is offered the context's chain at its anchor; {row: copied drafts to verify}
@@ -371,10 +370,7 @@ class BatchedSpeculativeLoop:
         """Each fresh row's verified tokens from its anchor on [B, k + 1] and accepted drafts [B]."""
         batch, device = self.rows.batch, processed.device
         fed = [step.fed(r) for r in range(batch)]
-        lengths = [
-            min(step.width - fed[r], self.drafts.usable(r, step.anchors[r])) if step.fresh(r) else 0
-            for r in range(batch)
-        ]
+        lengths = self._judged_drafts(step)
         k = max(lengths)
 
         def judged() -> torch.LongTensor:
@@ -402,8 +398,7 @@ class BatchedSpeculativeLoop:
         shortest run of committed inputs, record scores, and keep the features the drafter needs next."""
         rows, width = self.rows, step.width
         accepted_list = accepted.tolist()
-        # the policy learns from every step it drafted or verified for, not from copies verified while it waits
-        learns = step.policy_drafts and (width > 1 or step.drafter_forwards)
+        learns = width > 1 or step.drafter_forwards  # the policy learns from every step it drafted or verified for
         generating = [row for row in range(rows.batch) if not rows.stopped(row)] if learns else []
         slowest = rows.slowest(generating) if generating else None  # the batch's pace is its slowest row's
         judged = [step.fresh(row) and not rows.ended(row) for row in range(rows.batch)]
@@ -458,11 +453,17 @@ class BatchedSpeculativeLoop:
                 records.append(RowStep([] if copied else confidences, verified, accepted[row]))
         return BatchStepRecord(records, advanced, step.width - 1, step.drafter_forwards)
 
+    def _judged_drafts(self, step: Step) -> list[int]:
+        """Per row, the drafts the step judges: those of a fresh row that fit in the forward after its fed tokens."""
+        return [
+            min(step.width - step.fed(r), self.drafts.usable(r, step.anchors[r])) if step.fresh(r) else 0
+            for r in range(self.rows.batch)
+        ]
+
     def _count_sources(self, step: Step, accepted: list[int]) -> None:
         """Each judged row's accepted drafts under where they came from (`GenerationStats.accepted_by_source`)."""
-        for row in range(self.rows.batch):
-            fresh = step.fresh(row) and not self.rows.ended(row)
-            if fresh and min(step.width - step.fed(row), self.drafts.usable(row, step.anchors[row])) > 0:
+        for row, judged in enumerate(self._judged_drafts(step)):
+            if judged and not self.rows.ended(row):
                 source = "context" if self.drafts.copied[row] else "drafter"
                 self.stats.accepted_by_source[source].append(accepted[row])
 

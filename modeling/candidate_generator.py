@@ -492,16 +492,15 @@ class SpeculativeCandidateGenerator(CandidateGenerator):
             if most > 0:
                 self.skip()
             return input_ids, None
-        num_tokens = most
         context = self.features.read(anchor)
         positions = torch.arange(self.features.start, anchor, device=input_ids.device)[None]
         self.features.drop_before(anchor)
-        draft = self.proposer.propose(context, positions, input_ids, num_tokens, self.pick, self.schedule)
+        draft = self.proposer.propose(context, positions, input_ids, most, self.pick, self.schedule)
         self.confidences, self.drafter_forwards = draft.confidences[0].tolist(), draft.drafter_forwards
         if chooser is not None:
             self.drafted = draft.tokens[0].tolist()
             first = self.confidences[0] if self.confidences else None
-            copied = chooser.copies_after(first, num_tokens, len(chain), suffix)
+            copied = chooser.copies_after(first, most, len(chain), suffix)
             if copied:
                 return self._copy(input_ids, copied)
         self.last_proposed = min(self.policy.choose(self.confidences), draft.tokens.shape[1])
