@@ -277,3 +277,20 @@ def test_train_command_on_replies_at_two_temperatures(target_dir, tmp_path):
         settings = json.loads((data / f"temperature-{temperature}" / "settings.json").read_text())
         assert settings["temperature"] == float(temperature)
         assert len((data / f"temperature-{temperature}" / "shard-000.jsonl").read_text().splitlines()) == 3
+
+
+def test_cycle_steps_save_a_drafter_at_each_cycles_end(target_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?"}) + "\n" for i in range(2)))
+    args = ["--target", str(target_dir), "--tokenizer", str(reference.tokenizer_path()), "--data", str(prompts)]
+    args += ["--max-new-tokens", "6", "--temperature", "0", "--block-size", "4", "--num-layers", "1"]
+    args += ["--batch-size", "2", "--anchors-per-sequence", "2", "--total-steps", "4", "--warmup-steps", "1"]
+    args += ["--eval-every", "0", "--cycle-steps", "2", "--output-dir", str(tmp_path / "out")]
+    final = run_train(parse(args))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert sorted(p.name for p in (tmp_path / "out").glob("drafter*")) == ["drafter", "drafter-step-2"]
+    snapshot = AutoModel.from_pretrained(tmp_path / "out" / "drafter-step-2", trust_remote_code=True)
+    assert snapshot.config.block_size == AutoConfig.from_pretrained(final, trust_remote_code=True).block_size == 4
+    for cycle in ("1", "-2"):
+        with pytest.raises(ValueError, match="--cycle-steps"):
+            run_train(parse([*args[:-4], "--cycle-steps", cycle, "--output-dir", str(tmp_path / "bad")]))

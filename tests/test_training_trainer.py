@@ -322,3 +322,29 @@ def test_each_head_alone_trains_the_other_off(tmp_path):
     assert not torch.equal(confidence_only.confidence_head.weight, confidence)
     with pytest.raises(ValueError, match="--markov-rank"):
         without_markov_bias(new_drafter(target))
+
+
+def test_each_warm_restart_cycle_gives_the_drafter_a_run_of_that_length_gives(target, examples, tmp_path):
+    """With cycles of 3 steps, the drafter at step 3 is the one a 3-step run trains, bit for bit, and training goes
+    on from it (under LoRA too: the snapshot is a merged copy, the run keeps its adapters)."""
+    snapshots = {}
+
+    def keep(drafter, step):
+        assert type(drafter) is HyperDFlashForDrafting
+        snapshots[step] = {name: value.clone() for name, value in drafter.state_dict().items()}
+
+    cycled = train_drafter(
+        new_drafter(target), target, examples, tmp_path / "cycled", loop(cycle_steps=3), on_cycle_end=keep
+    )
+    short = train_drafter(new_drafter(target), target, examples, tmp_path / "short", loop(total_steps=3))
+    assert list(snapshots) == [3]  # the last cycle's drafter is the run's own
+    for name, value in short.state_dict().items():
+        assert torch.equal(snapshots[3][name], value), name
+    assert any(not torch.equal(snapshots[3][n], v) for n, v in cycled.state_dict().items()), "trained on after it"
+
+    base_dir = tmp_path / "base"
+    new_drafter(target).save_pretrained(base_dir)
+    snapshots.clear()
+    wrapped = build_drafter(target, init_from=base_dir, lora_rank=4, lora_alpha=8)
+    train_drafter(wrapped, target, examples, tmp_path / "lora", loop(cycle_steps=3), on_cycle_end=keep)
+    assert list(snapshots) == [3] and not any("lora" in name for name in snapshots[3])

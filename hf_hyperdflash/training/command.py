@@ -73,6 +73,13 @@ def _dspark_overrides(given: dict) -> dict:
 def _loop_config(settings: dict) -> LoopConfig:
     names = ("total_steps", "batch_size", "gradient_accumulation_steps", "learning_rate", "warmup_steps")
     names += ("weight_decay", "max_grad_norm", "checkpoint_every", "log_every", "seed", "mixed_precision")
+    names += ("cycle_steps",)
+    cycle_steps = settings["cycle_steps"]
+    if cycle_steps < 0 or 0 < cycle_steps <= settings["warmup_steps"]:
+        raise ValueError(
+            f"--cycle-steps {cycle_steps} leaves no decay after the {settings['warmup_steps']} warmup steps; pass 0 "
+            "(one cycle) or more steps than --warmup-steps."
+        )
     eval_every = settings["eval_every"] if settings["eval_prompts"] else 0
     return LoopConfig(**{name: settings[name] for name in names}, eval_every=eval_every)
 
@@ -249,6 +256,7 @@ def run_train(args: argparse.Namespace) -> Path:
         accelerator=accelerator,
         shards=shards,
         feature_store=settings["feature_store"],
+        on_cycle_end=lambda snapshot, step: snapshot.save_pretrained(out / f"drafter-step-{step}"),
     )
     if accelerator.is_main_process:
         measured = [record["tau"] for record in read_log(run_dir / "log.jsonl") if "tau" in record]

@@ -156,6 +156,7 @@ def run_training(
     make_optimizer: OptimizerFactory = adamw,
     shards: DataShards | None = None,
     evaluate_on_every_rank: bool = False,
+    on_cycle_end: Callable[[torch.nn.Module, int], None] | None = None,
 ) -> torch.nn.Module:
     """Train `model` (only its parameters with requires_grad) and return it unwrapped.
 
@@ -166,7 +167,9 @@ def run_training(
     and at the last one, and prints it as one line (`step 200: tau 3.12`), while the other processes wait. The
     progress bar shows the time left and the last logged loss and tokens/s. `shards` (default: one per process)
     splits each batch; `evaluate_on_every_rank` runs `evaluate` on every process (a spread target decodes with all of
-    its processes), the main one logging.
+    its processes), the main one logging. With warm restarts (`config.cycle_steps`), the main process calls
+    `on_cycle_end(unwrapped model, step)` at the end of every cycle but the run's last, where the learning rate is
+    back at zero: one run then gives a model per training length.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -246,6 +249,9 @@ def run_training(
                 # e.g. "step 200: tau 3.12", above the progress bar rather than through it
                 tqdm.write(f"step {done}: " + ", ".join(f"{name} {value:.2f}" for name, value in metrics.items()))
             accelerator.wait_for_everyone()
+        cycle_ended = config.cycle_steps and done % config.cycle_steps == 0 and done < config.total_steps
+        if on_cycle_end is not None and cycle_ended and accelerator.is_main_process:
+            on_cycle_end(accelerator.unwrap_model(model), done)
         if _due(done, config.checkpoint_every, config.total_steps):
             _save_checkpoint(accelerator, run_dir, done, config)
             if on_checkpoint is not None and accelerator.is_main_process:

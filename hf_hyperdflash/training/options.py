@@ -119,6 +119,7 @@ DEFAULTS = {
     "gradient_accumulation_steps": 1,
     "learning_rate": 6e-4,
     "warmup_steps": 100,
+    "cycle_steps": 0,
     "weight_decay": 0.01,
     "max_grad_norm": 1.0,
     "mixed_precision": "no",
@@ -411,6 +412,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _option(loop, "--gradient-accumulation-steps", "Micro-batches per optimizer step.", type=int)
     _option(loop, "--learning-rate", "Peak learning rate (linear warmup, then cosine decay).", type=float)
     _option(loop, "--warmup-steps", "Warmup steps.", type=int)
+    _option(
+        loop,
+        "--cycle-steps",
+        "Warm restarts: warmup and cosine decay repeat every N steps, and the end of each cycle but the last saves "
+        "its drafter as OUTPUT_DIR/drafter-step-STEP, so one run gives drafters of several training lengths "
+        "(0: one cycle over the run).",
+        type=int,
+    )
     _option(loop, "--weight-decay", "AdamW weight decay.", type=float)
     _option(loop, "--max-grad-norm", "Gradient clipping norm.", type=float)
     _option(loop, "--mixed-precision", "bf16 autocast, or fp32 throughout.", choices=["no", "bf16"])

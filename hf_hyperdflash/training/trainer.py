@@ -9,6 +9,7 @@ The loop is `run_training` (accelerate: multi-process, accumulation, cosine LR, 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -126,6 +127,13 @@ def new_dspark(target: PreTrainedModel, **dspark) -> DeepseekV4DSparkForDrafting
 def merge_lora(drafter: HyperDFlashForDrafting | PeftModel) -> HyperDFlashForDrafting:
     """A plain drafter: LoRA adapters folded into the weights, so it saves and loads like any drafter."""
     return drafter.merge_and_unload() if isinstance(drafter, PeftModel) else drafter
+
+
+def _plain_copy(trained: nn.Module) -> PreTrainedModel:
+    """The drafter inside `trained` (a drafter next to its frozen target) as it stands, LoRA merged into a copy so
+    that training goes on with its adapters."""
+    drafter = trained.drafter
+    return merge_lora(copy.deepcopy(drafter)) if isinstance(drafter, PeftModel) else drafter
 
 
 def _draft_model(drafter: HyperDFlashForDrafting | PeftModel) -> HyperDFlashForDrafting:
@@ -267,6 +275,7 @@ def train_drafter(
     shards: DataShards | None = None,
     left_padding: tuple[float, int] = (0.0, 0),
     feature_store: str | Path | None = None,
+    on_cycle_end: Callable[[PreTrainedModel, int], None] | None = None,
 ) -> HyperDFlashForDrafting:
     """Train `drafter` on `examples` (from `load_examples`) and return it as a plain drafter (LoRA merged). A DSpark
     drafter trains with DeepSpec's objective (`dspark.py`; `losses` is HyperDFlash's). `left_padding` (share, most):
@@ -282,6 +291,9 @@ def train_drafter(
     `feature_store`: a store built from `examples` with this target (`feature_store.build_feature_store`), read in
     place of the target's forward (its collapse, norm and `lm_head` still derive the teachers from the stored
     residual); the losses are those of online training.
+
+    `on_cycle_end(drafter, step)`: with warm restarts (`loop.cycle_steps`), the drafter as it stands at the end of
+    each cycle but the last (a plain drafter: LoRA merged into a copy).
     """
     losses = losses or LossConfig()
     if isinstance(_draft_model(drafter), DeepseekV4DSparkForDrafting):  # DeepSpec's objective (`dspark.py`)
@@ -312,6 +324,7 @@ def train_drafter(
         make_optimizer=make_optimizer,
         shards=shards,
         evaluate_on_every_rank=spread_group(target) is not None,
+        on_cycle_end=None if on_cycle_end is None else lambda trained, step: on_cycle_end(_plain_copy(trained), step),
     )
     if PartialState().is_main_process:
         plot_curves({"drafter": Path(run_dir) / "log.jsonl"}, Path(run_dir) / "curves.png", title="drafter training")
