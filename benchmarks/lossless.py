@@ -1,15 +1,17 @@
 """Is speculative `generate()` lossless? Many prompts, greedy and sampled, two drafters, against plain `generate()`.
 
     python benchmarks/lossless.py [--target {auto,tiny}] [--prompts 50] [--max-new-tokens 48] [--seed 0]
-                                  [--schedules adaptive constant]
+                                  [--schedules adaptive constant] [--drafter DIR]
 
 Target: the shipped reference target with held-out ShareGPT prompts in the chat format when it exists
 (`--target auto`), else (or with `--target tiny`) the tiny random test target with random-token prompts. Prompt
 lengths vary, and several exceed 4x the target's sliding window, so verify steps rewind sliding and compressed caches.
 
-Drafters: an untrained HyperDFlash drafter (`from_target`, block 8: nearly every draft is rejected), and the same
-drafter with its proposals replaced by the test oracle (`hf_hyperdflash.testing.OracleProposer`: the plain
-continuation, each token corrupted with probability `--corruption`), so full, partial and zero acceptance all occur.
+Drafters: an untrained HyperDFlash drafter (`from_target`, block 8: nearly every draft is rejected), or with
+`--drafter DIR` a saved one (a trained drafter of the reference target: its drafts and the context's copied chains
+are accepted as in use), and the same drafter with its proposals replaced by the test oracle
+(`hf_hyperdflash.testing.OracleProposer`: the plain continuation, each token corrupted with probability
+`--corruption`), so full, partial and zero acceptance all occur.
 Each runs under every draft schedule in `--schedules`: "adaptive" (the default: draft length chosen per step, and
 steps that skip drafting) and "constant" (every step drafts 7 tokens, so every verify path is exercised); each
 drafter-schedule pair keeps its own learned schedule across its calls, as separate chat sessions would. The
@@ -41,7 +43,7 @@ from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from hf_hyperdflash import HyperDFlashForDrafting, reference
 from hf_hyperdflash.evaluation.prompts import chat_prompt_ids, held_out_prompts
@@ -49,7 +51,7 @@ from hf_hyperdflash.evaluation.runner import Method, MethodResult, Session, draf
 from hf_hyperdflash.modeling.draft_options import SCHEDULES
 from hf_hyperdflash.testing import OracleProposer, chi_square_p_value, oracle_drafting, tiny_deepseek_v4
 
-UNTRAINED, ORACLE = "untrained-hyperdflash", "oracle"
+UNTRAINED, TRAINED, ORACLE = "untrained-hyperdflash", "trained-hyperdflash", "oracle"
 SESSIONS: defaultdict[str, Session] = defaultdict(Session)  # by method: what its schedule kept between calls
 
 
@@ -76,8 +78,8 @@ def benchmark_prompts(target: PreTrainedModel, count: int, seed: int, is_referen
     return [torch.randint(3, target.config.vocab_size, (1, int(n)), generator=generator) for n in lengths]
 
 
-def method_names(schedules: list[str]) -> list[str]:
-    return [f"{drafter} ({schedule})" for schedule in schedules for drafter in (UNTRAINED, ORACLE)]
+def method_names(schedules: list[str], drafter_name: str) -> list[str]:
+    return [f"{drafter} ({schedule})" for schedule in schedules for drafter in (drafter_name, ORACLE)]
 
 
 @contextmanager
@@ -115,7 +117,7 @@ def print_results(results: dict[str, MethodResult]) -> None:
 @torch.no_grad()
 def token_identical_runs(target, drafter, prompts, settings: dict, args, desc: str) -> dict[str, MethodResult]:
     """Plain and speculative generate on every prompt; a prompt is lossless when the outputs are token-identical."""
-    results = {name: MethodResult(name=name) for name in method_names(args.schedules)}
+    results = {name: MethodResult(name=name) for name in method_names(args.schedules, args.drafter_name)}
     for index, prompt in enumerate(tqdm(prompts, desc=desc)):
         plain = target.generate(prompt, **settings)
         for name, result in results.items():
@@ -199,7 +201,9 @@ def parse_args() -> argparse.Namespace:
         help="draft schedules, each drafter under each",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the tiny target is fastest on 1)")
+    parser.add_argument("--drafter", help="a saved drafter of the target, in place of an untrained one")
     args = parser.parse_args()
+    args.drafter_name = TRAINED if args.drafter else UNTRAINED
     if args.sample_tokens < 3:
         parser.error("--sample-tokens must be >= 3: generate() has no room to draft in a 2-token generation.")
     return args
@@ -211,9 +215,13 @@ def main() -> int:
     target, description = load_target(args.target)
     prompts = benchmark_prompts(target, args.prompts, args.seed, is_reference=description.startswith("reference"))
     torch.manual_seed(args.seed)
-    drafter = HyperDFlashForDrafting.from_target(target, block_size=8).eval()
+    if args.drafter:
+        drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True, dtype=torch.float32).eval()
+    else:
+        drafter = HyperDFlashForDrafting.from_target(target, block_size=8).eval()
     window, lengths = target.config.sliding_window, [p.shape[1] for p in prompts]
-    print(f"target: {description}, sliding window {window}; drafters: block 8, oracle corruption {args.corruption}")
+    print(f"target: {description}, sliding window {window}; drafter: {args.drafter or 'untrained, block 8'}")
+    print(f"oracle corruption {args.corruption}")
     print(
         f"prompts: {len(prompts)}, {min(lengths)}..{max(lengths)} tokens (median {statistics.median(lengths):g}), "
         f"{sum(n > 4 * window for n in lengths)} longer than 4x the sliding window"
@@ -240,7 +248,7 @@ def main() -> int:
         f"speculative samples per prompt vs the exact target distribution (Pearson chi-square, lossless if p >= "
         f"{args.alpha:g})"
     )
-    results = {name: MethodResult(name=name) for name in method_names(args.schedules)}
+    results = {name: MethodResult(name=name) for name in method_names(args.schedules, args.drafter_name)}
     for name, result in results.items():
         with tqdm(total=len(chosen) * args.samples, desc=f"{name} samples") as bar:
             for prompt in chosen:

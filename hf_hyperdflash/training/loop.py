@@ -249,7 +249,7 @@ def run_training(
                 # e.g. "step 200: tau 3.12", above the progress bar rather than through it
                 tqdm.write(f"step {done}: " + ", ".join(f"{name} {value:.2f}" for name, value in metrics.items()))
             accelerator.wait_for_everyone()
-        cycle_ended = config.cycle_steps and done % config.cycle_steps == 0 and done < config.total_steps
+        cycle_ended = config.cycle_steps > 0 and done % config.cycle_steps == 0 and done < config.total_steps
         if on_cycle_end is not None and cycle_ended and accelerator.is_main_process:
             on_cycle_end(accelerator.unwrap_model(model), done)
         if _due(done, config.checkpoint_every, config.total_steps):
