@@ -21,7 +21,7 @@ replies to prompts that repeat a held-out one, as every `hyperdflash train` does
 warmup and cosine decay every `cycle` steps (`--cycle-steps`) and saves the drafter at each cycle's end: its first
 cycle is the drafter a run of that length trains, bit for bit, and the later points continue from it. A run with
 `equal_time_to` gets the steps that take the named run's wall time at its first cycle, from a short probe of both
-depths' training speed, one after the other.
+depths' training speed, side by side.
 
 Eval: `hyperdflash eval` on the 20 held-out chat prompts, T=0 and T=1, 128 new tokens, one thread, every step
 verifying the drafter's whole block (the constant schedule) with no chains copied from the context: the drafter's own
@@ -84,6 +84,8 @@ class Run:
 RUNS = {
     "p400-s500": Run(prompts=400, steps=500),  # a quarter of today's data and steps
     "p8000-s4000": Run(prompts=8000, steps=4000, cycle=2000),  # 5x the data; today's steps, then twice them
+    "p8000-l4-s1224": Run(prompts=8000, steps=1224, layers=4),  # depth 4 at the steps of a probe run one depth
+    # after the other, which came to 0.7x the 2-layer run's wall time (now probed side by side)
     "p8000-l4": Run(prompts=8000, steps=0, layers=4, equal_time_to="p8000-s4000"),  # depth 4 at equal wall time
 }
 
@@ -122,7 +124,7 @@ def data_stage(replies: Path) -> None:
             print(f"data-{prompts}: ready")
 
 
-def _train_command(name: str, run: Run, steps: int, out: Path) -> list[str]:
+def _train_command(run: Run, steps: int, out: Path) -> list[str]:
     command = [sys.executable, "-m", "hf_hyperdflash.training.command", "--config", str(CONFIG)]
     command += ["--target-dtype", "float32", "--output-dir", str(out), "--eval-prompts", "0"]
     command += ["--data-dir", str(ROOT / f"data-{run.prompts}"), "--num-prompts", str(run.prompts)]
@@ -134,16 +136,26 @@ def _one_thread() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _probe_seconds_per_step(run: Run) -> float:
-    """Seconds per training step of `run`'s drafter on its data, from the trainer's own throughput log over
-    `PROBE_STEPS` steps (the first window, which holds the start-up, left out)."""
-    out = ROOT / "probe" / f"layers-{run.layers}"
-    shutil.rmtree(out, ignore_errors=True)
-    subprocess.run(_train_command("probe", run, PROBE_STEPS, out), check=True, env=_one_thread())
-    records = [json.loads(line) for line in (out / "run" / "log.jsonl").read_text().splitlines()]
-    tokens_per_second = sorted(r["tokens_per_second"] for r in records[1:] if "tokens_per_second" in r)
-    per_step_tokens = _mean_sequence_tokens(run.prompts) * BATCH
-    return per_step_tokens / tokens_per_second[len(tokens_per_second) // 2]
+def _probe_speed_ratio(prompts: int, deep: int, shallow: int) -> float:
+    """How many steps of the `deep`-layer drafter take the time of one of the `shallow`-layer one: both probed side
+    by side (one thread each, so under the same load) for `PROBE_STEPS` steps on the same batches; the median over
+    the trainer's log windows (the first, which holds the start-up, left out) of their tokens/s ratio."""
+    outs = {layers: ROOT / "probe" / f"layers-{layers}" for layers in (deep, shallow)}
+    probes = []
+    for layers, out in outs.items():
+        shutil.rmtree(out, ignore_errors=True)
+        command = _train_command(Run(prompts, 0, layers), PROBE_STEPS, out)
+        probes.append(subprocess.Popen(command, env=_one_thread()))
+    if any(probe.wait() for probe in probes):
+        raise SystemExit("A speed probe failed; its output is above.")
+    speeds = {
+        layers: [
+            json.loads(line)["tokens_per_second"] for line in (out / "run" / "log.jsonl").read_text().splitlines()
+        ]
+        for layers, out in outs.items()
+    }
+    ratios = sorted(d / s for d, s in zip(speeds[deep][1:], speeds[shallow][1:], strict=True))
+    return ratios[len(ratios) // 2]
 
 
 def _steps(name: str, run: Run) -> int:
@@ -154,10 +166,10 @@ def _steps(name: str, run: Run) -> int:
     if saved.exists():
         return json.loads(saved.read_text())["steps"]
     paired = RUNS[run.equal_time_to]
-    seconds = {layers: _probe_seconds_per_step(Run(run.prompts, 0, layers)) for layers in (paired.layers, run.layers)}
-    steps = round((paired.cycle or paired.steps) * seconds[paired.layers] / seconds[run.layers])
+    ratio = _probe_speed_ratio(run.prompts, run.layers, paired.layers)
+    steps = round((paired.cycle or paired.steps) * ratio)
     saved.parent.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps({"steps": steps, "seconds_per_step": seconds}, indent=1))
+    saved.write_text(json.dumps({"steps": steps, "speed_ratio": ratio}, indent=1))
     return steps
 
 
@@ -178,7 +190,7 @@ def train_stage(names: list[str]) -> None:
         )
         timing_path.write_text(json.dumps({**timing, "steps": steps}))
         started = time.perf_counter()
-        subprocess.run(_train_command(name, run, steps, out), check=True, env=_one_thread())
+        subprocess.run(_train_command(run, steps, out), check=True, env=_one_thread())
         timing["seconds"] += time.perf_counter() - started
         timing_path.write_text(json.dumps({**timing, "steps": steps}))
 
