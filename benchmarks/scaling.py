@@ -50,7 +50,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import ScalarFormatter  # noqa: E402
+from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 
 from hf_hyperdflash import reference  # noqa: E402
 from hf_hyperdflash.evaluation.paired import paired_tau_ratio  # noqa: E402
@@ -337,6 +337,7 @@ def _plot(rows: list[tuple[str, dict, float, dict]], path: Path) -> None:
         axis.axhline(BAR * shipped, color="gray", linestyle="--", linewidth=1, label=f"{BAR}x the shipped drafter")
         axis.set_xscale("log")
         axis.xaxis.set_major_formatter(ScalarFormatter())
+        axis.xaxis.set_minor_formatter(NullFormatter())
         axis.set_xlabel("tokens trained on (M)")
         axis.set_ylabel("tau, whole blocks")
         axis.set_title(f"T={temperature}, held-out chat prompts")
