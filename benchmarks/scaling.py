@@ -12,7 +12,13 @@ batch):
         --max-prompt-chars 600 --max-new-tokens 128 --generation-batch-size 16 --mixed-length-batches \\
         --temperature 0 1 --total-steps 1 --eval-prompts 0
 
-Its first 1,600 prompts are the shipped drafters' prompts. The data stage writes `runs/scale/data-N`, the replies to
+Its first 1,600 prompts are the shipped drafters' prompts. The teacher's prompts that it leaves out (the data stage
+writes them) are answered the same way, for later runs:
+
+    hyperdflash train --output-dir runs/scale/teacher_job --data runs/scale/teacher_prompts.jsonl \
+        --data-dir runs/scale/teacher_replies --max-new-tokens 128 --generation-batch-size 16 \
+        --mixed-length-batches --temperature 0 1 --total-steps 1 --eval-prompts 0
+ The data stage writes `runs/scale/data-N`, the replies to
 the first N prompts, so the sets are nested.
 
 Runs (`RUNS`): the shipped default's recipe (`configs/reference_drafter_hyperdflash.json`: the hybrid recipe, block
@@ -84,6 +90,7 @@ class Run:
 RUNS = {
     "p400-s500": Run(prompts=400, steps=500),  # a quarter of today's data and steps
     "p8000-s4000": Run(prompts=8000, steps=4000, cycle=2000),  # 5x the data; today's steps, then twice them
+    "p1600-s4000": Run(prompts=1600, steps=4000, cycle=2000),  # today's data: the shipped point again, then 2x steps
     "p8000-l4-s1224": Run(prompts=8000, steps=1224, layers=4),  # depth 4 at the steps of a probe run one depth
     # after the other, which came to 0.7x the 2-layer run's wall time (now probed side by side)
     "p8000-l4": Run(prompts=8000, steps=0, layers=4, equal_time_to="p8000-s4000"),  # depth 4 at equal wall time
