@@ -50,6 +50,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import matplotlib
@@ -59,12 +60,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 
 from hf_hyperdflash import reference  # noqa: E402
+from hf_hyperdflash.evaluation.options import DRAFTER_ONLY  # noqa: E402
 from hf_hyperdflash.evaluation.paired import paired_tau_ratio  # noqa: E402
 from hf_hyperdflash.evaluation.runner import MethodResult  # noqa: E402
+from hf_hyperdflash.modeling.draft_options import CONSTANT_SCHEDULE  # noqa: E402
 from hf_hyperdflash.prompts import load_prompts  # noqa: E402
 from hf_hyperdflash.reference.teacher import train_prompts  # noqa: E402
 from hf_hyperdflash.sharegpt import repeats_held_out_prompt  # noqa: E402
-from hf_hyperdflash.training.data import _read_records  # noqa: E402
+from hf_hyperdflash.training.data import read_records  # noqa: E402
 
 ROOT = Path("runs/scale")
 CONFIG = Path("configs/reference_drafter_hyperdflash.json")
@@ -118,7 +121,7 @@ def data_stage(replies: Path) -> None:
             out = ROOT / f"data-{prompts}" / f"temperature-{temperature}" / "shard-000.jsonl"
             if out.exists():
                 continue
-            records = [r for r in _read_records(replies / f"temperature-{temperature}") if r["index"] < prompts]
+            records = [r for r in read_records(replies / f"temperature-{temperature}") if r["index"] < prompts]
             if sorted(r["index"] for r in records) != list(range(prompts)):
                 print(
                     f"data-{prompts}: {replies} lacks T={temperature} replies to some of its first {prompts} prompts"
@@ -224,7 +227,8 @@ def points() -> dict[str, tuple[Path, dict]]:
 
 
 def _method(point: str) -> str:
-    return f"{point}-constant-drafter-only"
+    """The eval's name for a point run under the constant schedule without the context's chains."""
+    return f"{point}-{CONSTANT_SCHEDULE}{DRAFTER_ONLY}"
 
 
 def eval_stage(num_prompts: int) -> None:
@@ -263,23 +267,25 @@ def _method_result(setting: dict, method: str) -> dict:
     return {key: found[key] for key in ("tau", "lossless", "compared", "prompts", "acceptance_per_position", "runs")}
 
 
+@cache
+def _records(prompts: int, temperature: str) -> list[dict]:
+    """The replies of `data-{prompts}` at one temperature, read once per report."""
+    return read_records(ROOT / f"data-{prompts}" / f"temperature-{temperature}")
+
+
 def _mean_sequence_tokens(prompts: int) -> float:
     """Mean tokens per training sequence of the first `prompts` prompts' replies, weighted as the recipe weights
     them."""
     total = count = 0
     for temperature, weight in REPLY_WEIGHTS.items():
-        records = _read_records(ROOT / f"data-{prompts}" / f"temperature-{temperature}")
+        records = _records(prompts, temperature)
         total += weight * sum(len(record["input_ids"]) for record in records)
         count += weight * len(records)
     return total / count
 
 
 def _reply_tokens(prompts: int) -> int:
-    return sum(
-        sum(record["loss_mask"])
-        for temperature in TEMPERATURES
-        for record in _read_records(ROOT / f"data-{prompts}" / f"temperature-{temperature}")
-    )
+    return sum(sum(record["loss_mask"]) for temperature in TEMPERATURES for record in _records(prompts, temperature))
 
 
 def report_stage(plot: Path) -> str:

@@ -46,7 +46,8 @@ def _read_shard(path: Path) -> list[dict]:
     return records
 
 
-def _read_records(data_dir: Path) -> list[dict]:
+def read_records(data_dir: Path) -> list[dict]:
+    """Every record of a reply folder's shards, in shard order (`load_examples` gives them as training examples)."""
     return [record for shard in sorted(data_dir.glob("shard-*.jsonl")) for record in _read_shard(shard)]
 
 
@@ -154,7 +155,7 @@ def generate_replies(
         _check_settings(data_dir, settings, write=rank == 0)
         if shard.exists():  # rewrite without an interrupted last line, so appends start on a fresh line
             shard.write_text("".join(json.dumps(record) + "\n" for record in _read_shard(shard)))
-        done = {record["index"] for record in _read_records(data_dir)}
+        done = {record["index"] for record in read_records(data_dir)}
         return [(i, ids) for i, ids in enumerate(encoded) if i % world_size == rank and i not in done]
 
     # One writer per shard: a second job on the same data dir waits, then resumes from what the first wrote.
@@ -239,7 +240,7 @@ def load_examples(
     The replies to the prompts in `skip_indices` (e.g. `held_out_repeats`) are left out, and so are examples left
     with no reply token after the cut (they would give no draft block).
     """
-    records = sorted(_read_records(Path(data_dir)), key=lambda record: record["index"])
+    records = sorted(read_records(Path(data_dir)), key=lambda record: record["index"])
     if not records:
         raise ValueError(f"No generated replies in {data_dir}; run the data generation first.")
     examples = []
