@@ -80,6 +80,7 @@ def test_drafters_stage_ships_trained_drafters_as_bf16(tmp_path):
         trained[f"drafter_{kind}"] = HyperDFlashForDrafting.from_target(
             target, conditioning=conditioning, block_size=4
         )
+        trained[f"drafter_{kind}"].config.target_name_or_path = str(reference.target_path().resolve())
         trained[f"drafter_{kind}"].save_pretrained(tmp_path / "runs" / kind / "drafter")
     with pytest.raises(ValueError, match="configs/reference_drafter_dspark.json"):
         export_drafters(tmp_path / "runs", tmp_path / "assets")
@@ -92,6 +93,8 @@ def test_drafters_stage_ships_trained_drafters_as_bf16(tmp_path):
         with safe_open(tmp_path / "assets" / name / "model.safetensors", "pt") as weights:
             assert {weights.get_slice(k).get_dtype() for k in weights.keys()} == {"BF16"}, name
         assert getattr(shipped.config, "conditioning", None) == getattr(drafter.config, "conditioning", None)
+        if name != "dspark":  # trained against the shipped target: named by its place in the package
+            assert shipped.config.target_name_or_path == "hf_hyperdflash/reference/assets/target"
         for key, value in drafter.state_dict().items():
             torch.testing.assert_close(shipped.state_dict()[key].to(torch.bfloat16), value.to(torch.bfloat16))
 

@@ -37,6 +37,8 @@ from .config import SEQUENCE_LENGTH, reference_target_config
 from .distil import DISTIL_TEMPERATURES, distil_target, reply_losses
 
 ASSETS = Path(__file__).parent / "assets"
+# How a drafter trained against the shipped target names it: its place in the source tree
+SHIPPED_TARGET_NAME = "hf_hyperdflash/reference/assets/target"
 # teacher: a real chat model's greedy replies (`teacher.py`); target: next-token training on ShareGPT; distil: the
 # target learns the teacher's replies (`distil.py`), and that is the target shipped and drafted for
 STAGES = ("tokenizer", "teacher", "target", "distil", "mtp", "drafters")
@@ -191,6 +193,9 @@ def export_bf16(model_class: type[PreTrainedModel], source: Path, destination: P
     config_file = destination / "config.json"
     config = json.loads(config_file.read_text())
     config.pop("auto_map", None)
+    target = config.get("target_name_or_path")
+    if target and Path(target).resolve() == (ASSETS / "target").resolve():  # no machine's own path in a shipped file
+        config["target_name_or_path"] = SHIPPED_TARGET_NAME
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
