@@ -31,9 +31,10 @@ depths' training speed, side by side.
 
 Eval: `hyperdflash eval` on the 20 held-out chat prompts, T=0 and T=1, 128 new tokens, one thread, every step
 verifying the drafter's whole block (the constant schedule) with no chains copied from the context: the drafter's own
-tau. The shipped drafter is today's point (1,600 prompts, 2,000 steps, 2 layers). Seeded evaluations repeat exactly,
-so a point evaluated in another run pairs with the shipped drafter prompt by prompt: the report gives each point's
-tau over the shipped drafter's with a paired bootstrap interval over prompts (`evaluation.paired`).
+tau. The baseline is the default drafter shipped before this curve (1,600 prompts, 2,000 steps, 2 layers), read from
+git at `BEFORE_COMMIT`; the default shipped now is the point `SHIPPED_NOW`. Seeded evaluations repeat exactly, so a
+point evaluated in another run pairs with the baseline prompt by prompt: the report gives each point's tau over the
+baseline's with a paired bootstrap interval over prompts (`evaluation.paired`).
 
 Report: `runs/scale/report.md` (the table) and `--plot` (default `docs/scaling.png`): tau at T=0 and T=1 against the
 tokens trained on (steps x 4 sequences x the mean sequence length of the run's weighted data), one line per data
@@ -59,7 +60,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 
-from hf_hyperdflash import reference  # noqa: E402
 from hf_hyperdflash.evaluation.options import DRAFTER_ONLY  # noqa: E402
 from hf_hyperdflash.evaluation.paired import paired_tau_ratio  # noqa: E402
 from hf_hyperdflash.evaluation.runner import MethodResult  # noqa: E402
@@ -74,10 +74,12 @@ CONFIG = Path("configs/reference_drafter_hyperdflash.json")
 TEMPERATURES = ("0", "1")
 REPLY_WEIGHTS = {"0": 6, "1": 1}  # the hybrid recipe's: each greedy reply six times an epoch, each sampled one once
 BATCH = 4
-SHIPPED = "shipped"
-TODAY = {"prompts": 1600, "steps": 2000, "layers": 2}  # what the shipped drafter trained on
+BEFORE = "shipped-before"
+BEFORE_COMMIT = "ab59465"  # the last commit shipping the 1,600-prompt default
+TODAY = {"prompts": 1600, "steps": 2000, "layers": 2}  # what that drafter trained on
+SHIPPED_NOW = "p8000-s4000@4000"  # the point `configs/reference_drafter_hyperdflash.json` trains, shipped since
 PROBE_STEPS = 40
-BAR = 1.15  # issue 72: the shipped default's tau is to reach 1.15x today's, at T=0 and at T=1
+BAR = 1.15  # issue 72: the shipped default's tau is to reach 1.15x the one before's, at T=0 and at T=1
 REPLY_PROMPTS = 8000  # the reply set's prompts
 
 
@@ -208,7 +210,7 @@ def train_stage(names: list[str]) -> None:
 def points() -> dict[str, tuple[Path, dict]]:
     """Every drafter to evaluate, the runs' snapshots as soon as they are saved: name -> (its folder, what it trained
     on and in how many minutes)."""
-    found = {SHIPPED: (reference.drafter_path("hyperdflash"), {**TODAY, "minutes": None})}
+    found = {BEFORE: (_drafter_shipped_before(), {**TODAY, "minutes": None})}
     for name, run in RUNS.items():
         out = ROOT / name
         if not (out / "timing.json").exists():
@@ -224,6 +226,17 @@ def points() -> dict[str, tuple[Path, dict]]:
                 {"prompts": run.prompts, "steps": step, "layers": run.layers, "minutes": minutes},
             )
     return found
+
+
+def _drafter_shipped_before() -> Path:
+    """The 1,600-prompt default as `BEFORE_COMMIT` shipped it, written out of git once."""
+    out = ROOT / BEFORE
+    if not (out / "model.safetensors").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            blob = f"{BEFORE_COMMIT}:hf_hyperdflash/reference/assets/drafter_hyperdflash/{name}"
+            (out / name).write_bytes(subprocess.run(["git", "show", blob], check=True, capture_output=True).stdout)
+    return out
 
 
 def _method(point: str) -> str:
@@ -297,7 +310,7 @@ def report_stage(plot: Path) -> str:
     }
     lines = [
         "| drafter | prompts | layers | steps | minutes | tokens trained on (M) | reply tokens in the data (k) | "
-        "T=0 tau | over shipped | T=1 tau | over shipped | greedy identical |",
+        "T=0 tau | over before | T=1 tau | over before | greedy identical |",
         "|" + "---|" * 12,
     ]
     rows = []
@@ -306,10 +319,11 @@ def report_stage(plot: Path) -> str:
             continue
         tokens = what["steps"] * BATCH * _mean_sequence_tokens(what["prompts"]) / 1e6
         minutes = "–" if what["minutes"] is None else f"{what['minutes']:.0f}"
-        cells = [name, f"{what['prompts']:,}", str(what["layers"]), f"{what['steps']:,}", minutes, f"{tokens:.2f}"]
+        label = f"{name} (shipped)" if name == SHIPPED_NOW else name
+        cells = [label, f"{what['prompts']:,}", str(what["layers"]), f"{what['steps']:,}", minutes, f"{tokens:.2f}"]
         cells.append(f"{_reply_tokens(what['prompts']) / 1e3:,.0f}")
         for temperature in TEMPERATURES:
-            cells += [f"{tau[name][temperature]['tau']:.2f}", _over_shipped(tau, name, temperature)]
+            cells += [f"{tau[name][temperature]['tau']:.2f}", _over_before(tau, name, temperature)]
         cells.append(f"{tau[name]['0']['lossless']}/{tau[name]['0']['compared']}")
         lines.append("| " + " | ".join(cells) + " |")
         rows.append((name, what, tokens, tau[name]))
@@ -320,12 +334,12 @@ def report_stage(plot: Path) -> str:
     return table
 
 
-def _over_shipped(tau: dict, name: str, temperature: str) -> str:
-    """The point's tau over the shipped drafter's, with its paired bootstrap interval over prompts."""
-    if name == SHIPPED:
+def _over_before(tau: dict, name: str, temperature: str) -> str:
+    """The point's tau over the baseline's, with its paired bootstrap interval over prompts."""
+    if name == BEFORE:
         return "–"
-    kept, shipped = tau[name][temperature], tau[SHIPPED][temperature]
-    ratio = paired_tau_ratio(_as_result(name, kept), _as_result(SHIPPED, shipped))
+    kept, before = tau[name][temperature], tau[BEFORE][temperature]
+    ratio = paired_tau_ratio(_as_result(name, kept), _as_result(BEFORE, before))
     return f"{ratio.ratio:.2f} ({ratio.low:.2f}-{ratio.high:.2f})"
 
 
@@ -334,7 +348,7 @@ def _as_result(name: str, kept: dict) -> MethodResult:
 
 
 def _plot(rows: list[tuple[str, dict, float, dict]], path: Path) -> None:
-    """tau against the tokens trained on, one line per data size and depth, and the bar: 1.15x the shipped tau."""
+    """tau against the tokens trained on, one line per data size and depth, and the bar: 1.15x the baseline's tau."""
     figure, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     for axis, temperature in zip(axes, TEMPERATURES, strict=True):
         for prompts in sorted({what["prompts"] for _, what, _, _ in rows}):
@@ -346,8 +360,10 @@ def _plot(rows: list[tuple[str, dict, float, dict]], path: Path) -> None:
                 )
                 if line:
                     axis.plot(*zip(*line, strict=True), marker=marker, label=f"{prompts:,} prompts, {layers} layers")
-        shipped = next(kept[temperature]["tau"] for name, _, _, kept in rows if name == SHIPPED)
-        axis.axhline(BAR * shipped, color="gray", linestyle="--", linewidth=1, label=f"{BAR}x the shipped drafter")
+        before = next(kept[temperature]["tau"] for name, _, _, kept in rows if name == BEFORE)
+        axis.axhline(
+            BAR * before, color="gray", linestyle="--", linewidth=1, label=f"{BAR}x the drafter shipped before"
+        )
         axis.set_xscale("log")
         axis.xaxis.set_major_formatter(ScalarFormatter())
         axis.xaxis.set_minor_formatter(NullFormatter())
