@@ -18,7 +18,8 @@ writes them) are answered the same way, for later runs:
     hyperdflash train --output-dir runs/scale/teacher_job --data runs/scale/teacher_prompts.jsonl \
         --data-dir runs/scale/teacher_replies --max-new-tokens 128 --generation-batch-size 16 \
         --mixed-length-batches --temperature 0 1 --total-steps 1 --eval-prompts 0
- The data stage writes `runs/scale/data-N`, the replies to
+
+The data stage writes `runs/scale/data-N`, the replies to
 the first N prompts, so the sets are nested.
 
 Runs (`RUNS`): the shipped default's recipe (`configs/reference_drafter_hyperdflash.json`: the hybrid recipe, block
